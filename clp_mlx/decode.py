@@ -1,0 +1,233 @@
+"""The decode step: one backbone pass per step, in every mode.
+
+A step feeds the tokens not yet in the KV cache, and from the hidden states
+it gets, in one lazy graph evaluated once:
+
+- the backbone's token t+1 (always the backbone's, Backbone-as-Architect),
+- k drafts for t+2..t+1+k from the heads, through the shared output projection,
+- how many drafts to commit: CLP, the gate, all of them, or (verify) the
+  longest prefix of the previous step's drafts that the backbone agrees with.
+
+Modes:
+    ar         plain greedy decoding, token for token what mlx-lm generates.
+    clp        the paper: backbone token + the first n drafts, n from CLP, unchecked.
+    fixed      backbone token + all k drafts, unchecked.
+    gate       backbone token + the drafts the ~1M-parameter gate accepts.
+    prior-mtp  head 0's guess replaces the backbone token (the failure mode the
+               paper diagnoses), plus the drafts CLP accepts.
+    verify     lossless: drafts are fed with the next pass and each is checked
+               against the backbone's prediction at the position before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from .backbone import embed, hidden_states, project
+from .errors import ClpError
+from .heads import MTPBundle
+
+MODES = ("ar", "clp", "fixed", "gate", "prior-mtp", "verify")
+PREFILL_STEP = 2048  # as mlx-lm: long prompts are fed in chunks to bound memory
+
+_stream = mx.new_stream(mx.default_device())
+
+
+@dataclass
+class DecodeStats:
+    """What one generation did, step by step."""
+
+    mode: str
+    k: int
+    steps: int = 0
+    tokens: int = 0
+    accepted: list = field(default_factory=list)  # accepted[n]: steps that committed n drafts
+
+    def __post_init__(self):
+        self.accepted = [0] * (self.k + 1)
+
+    def record(self, n_tokens: int, n_drafts: int) -> None:
+        self.steps += 1
+        self.tokens += n_tokens
+        self.accepted[n_drafts] += 1
+
+    @property
+    def tokens_per_step(self) -> float:
+        """τ: tokens committed per backbone pass."""
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+def greedy(logits: mx.array) -> mx.array:
+    # argmax over log-probabilities, exactly as mlx-lm's greedy sampler sees
+    # them, so that near-ties resolve the same way as in mlx_lm.generate.
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+
+
+def prefill(model, prompt: mx.array, cache) -> mx.array:
+    """Feed all but the last prompt token; return what is left to feed."""
+    while prompt.size > 1:
+        n = min(PREFILL_STEP, prompt.size - 1)
+        hidden_states(model, prompt[:n], cache)
+        mx.eval([c.state for c in cache])
+        prompt = prompt[n:]
+        mx.clear_cache()
+    return prompt
+
+
+def decode(
+    prompt: mx.array | list,
+    model,
+    heads: MTPBundle | None = None,
+    *,
+    mode: str = "verify",
+    num_draft_tokens: int | None = None,
+    max_tokens: int = 256,
+    prompt_cache: list | None = None,
+    stats: DecodeStats | None = None,
+    gate_threshold: float = 0.5,
+) -> Iterator[tuple[int, bool]]:
+    """Yield ``(token, from_draft)`` pairs, greedy, one backbone pass per step.
+
+    ``from_draft`` is True for tokens a head wrote (checked or not, by mode).
+    The generator never prints; stop it early by closing it (EOS is the
+    caller's business, as in mlx-lm).
+    """
+    prompt = mx.array(prompt, dtype=mx.uint32) if not isinstance(prompt, mx.array) else prompt
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise ClpError("the prompt is empty: give at least one token")
+    if max_tokens < 1:
+        raise ClpError(f"max_tokens must be at least 1, got {max_tokens}")
+    if mode not in MODES:
+        raise ClpError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode != "ar" and heads is None:
+        raise ClpError(f"mode {mode!r} needs heads (pass --heads, or --heads init)")
+    if mode == "prior-mtp" and "head0" not in heads:
+        raise ClpError("mode 'prior-mtp' needs heads with a head 0")
+    k = heads.k if heads is not None and mode != "ar" else 0
+    n_draft = k if num_draft_tokens is None else num_draft_tokens
+    if mode != "ar" and not 1 <= n_draft <= k:
+        raise ClpError(f"num_draft_tokens must be in 1..{k} for these heads, got {n_draft}")
+    stats = stats if stats is not None else DecodeStats(mode, k)
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+
+    with mx.stream(_stream):
+        last = prefill(model, prompt, cache)
+        if mode == "ar":
+            yield from _ar(model, last, cache, max_tokens, stats)
+        elif mode == "verify":
+            yield from _verify(model, heads, last, cache, max_tokens, n_draft, stats)
+        else:
+            yield from _unchecked(
+                model, heads, last, cache, max_tokens, n_draft, mode, gate_threshold, stats
+            )
+
+
+def _ar(model, y, cache, max_tokens, stats) -> Iterator[tuple[int, bool]]:
+    def step(tokens):
+        return greedy(project(model, hidden_states(model, tokens, cache)[-1:]))
+
+    # As mlx-lm: queue step n+1 before handing out token n, so the host work
+    # of the caller overlaps the next forward pass.
+    y = step(y)
+    mx.async_eval(y)
+    for n in range(max_tokens):
+        nxt = step(y) if n + 1 < max_tokens else None
+        if nxt is not None:
+            mx.async_eval(nxt)
+        stats.record(1, 0)
+        yield y.item(), False
+        y = nxt
+
+
+def _draft_tokens(model, heads, h, first_hidden):
+    """Tokens for ``first_hidden`` rows and each row of ``h``'s k drafts.
+
+    Medusa-style heads do not depend on the backbone's token, so backbone and
+    head rows share one pass over the output projection. Heads that take the
+    embedding of token t+1 must wait for it: two passes.
+    """
+    rows = first_hidden.shape[0]
+    if not heads.uses_token_embedding:
+        drafts_h = heads.draft_hidden(h).reshape(-1, h.shape[-1])
+        t = greedy(project(model, mx.concatenate([first_hidden, drafts_h])))
+        return t[:rows], t[rows:].reshape(h.shape[0], heads.k)
+    b = greedy(project(model, first_hidden))
+    drafts_h = heads.draft_hidden(h, embed(model, b))
+    return b, greedy(project(model, drafts_h))
+
+
+def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, stats):
+    """clp / fixed / gate / prior-mtp: commit drafts without checking them."""
+
+    def step(tokens):
+        h = hidden_states(model, tokens, cache)[-1:]  # only the last position drafts
+        first = heads.head0(h) if mode == "prior-mtp" else h
+        b, d = _draft_tokens(model, heads, h, first)
+        if mode == "fixed":
+            n = mx.array([n_draft])
+        elif mode == "gate":
+            n = mx.minimum(heads.gate_length(h, threshold), n_draft)
+        else:  # clp, prior-mtp
+            n = mx.minimum(heads.clp_length(h), n_draft)
+        return mx.concatenate([b, d[0], n.astype(b.dtype)])
+
+    produced = 0
+    out = step(y)
+    while True:
+        host = out.tolist()
+        b, drafts, n = host[0], host[1:-1], host[-1]
+        n = min(n, max_tokens - produced - 1)
+        committed = [b] + drafts[:n]
+        produced += len(committed)
+        stats.record(len(committed), n)
+        if produced < max_tokens:
+            out = step(mx.array(committed, dtype=mx.uint32))
+            mx.async_eval(out)
+        yield b, mode == "prior-mtp"
+        for tok in drafts[:n]:
+            yield tok, True
+        if produced >= max_tokens:
+            return
+
+
+def _verify(model, heads, y, cache, max_tokens, n_draft, stats):
+    """Lossless: check last step's drafts in the pass that feeds them."""
+
+    def step(tokens, m):
+        h = hidden_states(model, tokens, cache)  # (m+1, d)
+        b, d = _draft_tokens(model, heads, h, h)  # b: (m+1,), d: (m+1, k)
+        if m:
+            # Draft j is right if it equals the backbone's choice at the
+            # position before it; accept the longest right prefix.
+            ok = (tokens[1:] == b[:-1]).astype(mx.int32)
+            a = mx.sum(mx.cumprod(ok))
+        else:
+            a = mx.array(0)
+        return mx.concatenate([b, a[None].astype(b.dtype), d[a]])
+
+    produced = 0
+    fed = [None]  # what the pending pass feeds: token t, then its drafts
+    out = step(y, 0)
+    while True:
+        host = out.tolist()
+        m = len(fed) - 1
+        b, a, drafts = host[: m + 1], host[m + 1], host[m + 2 :]
+        committed = fed[1 : 1 + a] + [b[a]]
+        committed = committed[: max_tokens - produced]
+        trim_prompt_cache(cache, m - a)  # rejected drafts leave the cache
+        produced += len(committed)
+        stats.record(len(committed), len(committed) - 1)
+        if produced < max_tokens:
+            # Never draft past max_tokens: the extra positions would be wasted.
+            m_next = min(n_draft, max_tokens - produced - 1)
+            fed = [b[a]] + drafts[:m_next]
+            out = step(mx.array(fed, dtype=mx.uint32), m_next)
+            mx.async_eval(out)
+        for i, tok in enumerate(committed):
+            yield tok, i < a
+        if produced >= max_tokens:
+            return

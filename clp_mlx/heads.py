@@ -1,0 +1,299 @@
+"""MTP heads, the CLP length predictor and the paper's baselines.
+
+Backbone-as-Architect: the backbone's own output writes token t+1; head i
+(i = 1..k) drafts token t+1+i from the same hidden state at t. No head ever
+predicts t+1, except ``head0``, which exists only to reproduce the paper's
+"prior MTP" failure mode.
+
+Every head returns a hidden vector; all of them go through the backbone's
+shared output projection, so drafting costs k small blocks plus extra rows in
+one matmul, not k vocabulary-sized layers.
+
+A bundle is saved as ``heads.safetensors`` + ``heads.json``; the JSON records
+the backbone it was made for, and loading onto another backbone is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import backbone
+from .errors import ClpError
+
+FORMAT = "clp-mlx-heads"
+DESIGNS = ("medusa", "embed")
+GATE_PARAMS = 1_000_000  # the paper's gate baseline is "about 1M parameters"
+PROBE_MIN_COSINE = 0.99  # same weights in fp32/fp16/4-bit agree to > 0.995
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(Wx + b), zero-initialised so a fresh block is the identity."""
+
+    def __init__(self, dims: int):
+        super().__init__()
+        self.linear = nn.Linear(dims, dims)
+        self.linear.weight = mx.zeros_like(self.linear.weight)
+        self.linear.bias = mx.zeros_like(self.linear.bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x + nn.silu(self.linear(x))
+
+
+class EmbedHead(nn.Module):
+    """A head that also sees the embedding of the backbone's token t+1.
+
+    EAGLE and DeepSeek's MTP condition the draft on the token just chosen,
+    which the hidden state at t cannot know. ``fuse`` starts as [I | 0], so a
+    fresh head ignores the embedding and equals a fresh Medusa head.
+    """
+
+    def __init__(self, dims: int):
+        super().__init__()
+        self.fuse = nn.Linear(2 * dims, dims, bias=False)
+        eye = mx.eye(dims, dtype=self.fuse.weight.dtype)
+        self.fuse.weight = mx.concatenate([eye, mx.zeros_like(eye)], axis=1)
+        self.block = ResBlock(dims)
+
+    def __call__(self, h: mx.array, tok_emb: mx.array) -> mx.array:
+        return self.block(self.fuse(mx.concatenate([h, tok_emb], axis=-1)))
+
+
+class Gate(nn.Module):
+    """Medusa-style per-token gate: one accept score per head from an MLP."""
+
+    def __init__(self, dims: int, k: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dims, hidden)
+        self.fc2 = nn.Linear(hidden, k)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return self.fc2(nn.silu(self.fc1(h)))
+
+
+def gate_hidden_size(dims: int, k: int) -> int:
+    """Width that brings the gate to about 1M parameters."""
+    return max(1, round((GATE_PARAMS - k) / (dims + 1 + k)))
+
+
+@dataclass
+class HeadsConfig:
+    k: int
+    design: str = "medusa"
+    hidden_size: int = 0
+    vocab_size: int = 0
+    num_layers: int = 0
+    fingerprint: str = ""
+    probe: list = field(default_factory=list, repr=False)
+    gate_hidden: int = 0  # 0: no gate baseline in this bundle
+    head0: bool = False  # the prior-MTP baseline's competing t+1 head
+    backbone: str = ""  # a name for people; matching uses the fields above
+    format: str = FORMAT
+    version: int = 1
+
+
+class MTPBundle(nn.Module):
+    """k draft heads + CLP, and optionally the gate and head 0 baselines."""
+
+    def __init__(self, config: HeadsConfig):
+        super().__init__()
+        if config.k < 1:
+            raise ClpError(f"k must be at least 1, got {config.k}")
+        if config.design not in DESIGNS:
+            raise ClpError(f"unknown head design {config.design!r}; choose from {DESIGNS}")
+        self.config = config
+        d, k = config.hidden_size, config.k
+        block = ResBlock if config.design == "medusa" else EmbedHead
+        self.heads = [block(d) for _ in range(k)]
+        self.clp = nn.Linear(d, k + 1)
+        if config.gate_hidden:
+            self.gate = Gate(d, k, config.gate_hidden)
+        if config.head0:
+            self.head0 = ResBlock(d)
+
+    @property
+    def k(self) -> int:
+        return self.config.k
+
+    @property
+    def uses_token_embedding(self) -> bool:
+        return self.config.design == "embed"
+
+    def draft_hidden(self, h: mx.array, tok_emb: mx.array | None = None) -> mx.array:
+        """(..., d) -> (..., k, d): every head's output, before projection."""
+        if self.uses_token_embedding:
+            outs = [head(h, tok_emb) for head in self.heads]
+        else:
+            outs = [head(h) for head in self.heads]
+        return mx.stack(outs, axis=-2)
+
+    def clp_length(self, h: mx.array) -> mx.array:
+        """CLP's choice of how many drafts to accept, 0..k."""
+        return mx.argmax(self.clp(h), axis=-1)
+
+    def gate_length(self, h: mx.array, threshold: float = 0.5) -> mx.array:
+        """Longest run of heads whose gate probability clears ``threshold``."""
+        if "gate" not in self:
+            raise ClpError("these heads have no gate baseline (train it first)")
+        ok = mx.sigmoid(self.gate(h)) > threshold
+        return mx.sum(mx.cumprod(ok.astype(mx.int32), axis=-1), axis=-1)
+
+    def clp_param_count(self) -> int:
+        return sum(p.size for _, p in _flat(self.clp.parameters()))
+
+
+def _flat(tree, prefix=""):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree, prefix=prefix)
+
+
+def init_heads(
+    model: nn.Module,
+    k: int = 3,
+    *,
+    design: str = "medusa",
+    seed: int = 0,
+    gate: bool = True,
+    head0: bool = True,
+    name: str = "",
+) -> MTPBundle:
+    """Fresh heads for ``model``, as training starts from them (seeded)."""
+    if k < 1:
+        raise ClpError(f"the number of draft tokens must be at least 1, got {k}")
+    sig = backbone.signature(model)
+    config = HeadsConfig(
+        k=k,
+        design=design,
+        hidden_size=sig["hidden_size"],
+        vocab_size=sig["vocab_size"],
+        num_layers=sig["num_layers"],
+        fingerprint=sig["fingerprint"],
+        probe=sig["probe"],
+        gate_hidden=gate_hidden_size(sig["hidden_size"], k) if gate else 0,
+        head0=head0,
+        backbone=name,
+    )
+    mx.random.seed(seed)
+    bundle = MTPBundle(config)
+    bundle.set_dtype(_float_dtype(model))
+    mx.eval(bundle.parameters())
+    return bundle
+
+
+def _float_dtype(model: nn.Module) -> mx.Dtype:
+    dtype = model.model.norm.weight.dtype
+    return dtype if mx.issubdtype(dtype, mx.floating) else mx.float32
+
+
+def check_backbone(config: HeadsConfig, model: nn.Module, where: str = "heads") -> None:
+    """Refuse heads made for another backbone, saying what differs."""
+    sig = backbone.signature(model)
+    for key in ("hidden_size", "vocab_size", "num_layers"):
+        if getattr(config, key) != sig[key]:
+            raise ClpError(
+                f"{where} were made for a backbone with {key}={getattr(config, key)}, "
+                f"but this model has {key}={sig[key]}"
+            )
+    a, b = mx.array(config.probe), mx.array(sig["probe"])
+    if a.shape != b.shape:
+        raise ClpError(f"{where}: the backbone fingerprint has the wrong length")
+    cos = (a @ b / (mx.linalg.norm(a) * mx.linalg.norm(b) + 1e-12)).item()
+    if not math.isfinite(cos) or cos < PROBE_MIN_COSINE:
+        raise ClpError(
+            f"{where} belong to another backbone (fingerprint {config.fingerprint}, "
+            f"this model {sig['fingerprint']}; weight probe cosine {cos:.3f})"
+        )
+
+
+def save_heads(bundle: MTPBundle, folder: str | Path, *, force: bool = False, extra: dict | None = None) -> Path:
+    """Write ``heads.safetensors`` + ``heads.json`` atomically into ``folder``."""
+    folder = Path(folder)
+    if folder.exists() and not force:
+        raise ClpError(f"{folder} exists; pass force=True (--force) to replace it")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    try:
+        weights = dict(_flat(bundle.parameters()))
+        mx.save_safetensors(str(tmp / "heads.safetensors"), weights)
+        meta = asdict(bundle.config)
+        if extra:
+            meta["extra"] = extra
+        (tmp / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def read_config(folder: str | Path) -> HeadsConfig:
+    folder = Path(folder)
+    meta_path = folder / "heads.json"
+    if not meta_path.is_file():
+        raise ClpError(f"{folder} holds no heads (heads.json is missing)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ClpError(f"{meta_path} is not valid JSON: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise ClpError(f"{meta_path} is not a clp-mlx heads file")
+    known = HeadsConfig.__dataclass_fields__
+    return HeadsConfig(**{k: v for k, v in meta.items() if k in known})
+
+
+def load_heads(folder: str | Path, model: nn.Module) -> MTPBundle:
+    """Load heads saved by :func:`save_heads`, checking they fit ``model``."""
+    folder = Path(folder)
+    config = read_config(folder)
+    check_backbone(config, model, where=f"heads in {folder}")
+    bundle = MTPBundle(config)
+    try:
+        bundle.load_weights(str(folder / "heads.safetensors"), strict=True)
+    except (ValueError, FileNotFoundError) as e:
+        raise ClpError(f"{folder}: heads.safetensors does not match heads.json ({e})") from None
+    bundle.set_dtype(_float_dtype(model))
+    mx.eval(bundle.parameters())
+    return bundle
+
+
+def bundle_from_arrays(arrays: dict, *, model: nn.Module, design: str = "medusa", name: str = "") -> MTPBundle:
+    """Build a bundle from weights in our key names (converters use this).
+
+    k, the gate and head 0 are inferred from the keys; a missing CLP stays
+    as initialised. Shapes are checked by ``load_weights``.
+    """
+    ids = {int(key.split(".")[1]) for key in arrays if key.startswith("heads.")}
+    if not ids or ids != set(range(len(ids))):
+        raise ClpError(f"head indices must run 0..k-1, got {sorted(ids)}")
+    gate_w = arrays.get("gate.fc1.weight")
+    bundle = init_heads(
+        model, len(ids), design=design, gate=False, head0="head0.linear.weight" in arrays, name=name
+    )
+    if gate_w is not None:
+        bundle.config.gate_hidden = int(gate_w.shape[0])
+        bundle.gate = Gate(bundle.config.hidden_size, bundle.k, bundle.config.gate_hidden)
+    expected = dict(_flat(bundle.parameters()))
+    unknown = sorted(set(arrays) - set(expected))
+    if unknown:
+        raise ClpError(f"unknown head weights: {', '.join(unknown)}")
+    for key, value in arrays.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise ClpError(
+                f"{key} has shape {tuple(value.shape)}, this backbone needs "
+                f"{tuple(expected[key].shape)}"
+            )
+    bundle.load_weights([(k, mx.array(v)) for k, v in arrays.items()], strict=False)
+    bundle.set_dtype(_float_dtype(model))
+    mx.eval(bundle.parameters())
+    return bundle
