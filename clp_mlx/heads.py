@@ -214,7 +214,9 @@ def check_backbone(config: HeadsConfig, model: nn.Module, where: str = "heads") 
         )
 
 
-def save_heads(bundle: MTPBundle, folder: str | Path, *, force: bool = False, extra: dict | None = None) -> Path:
+def save_heads(
+    bundle: MTPBundle, folder: str | Path, *, force: bool = False, extra: dict | None = None
+) -> Path:
     """Write ``heads.safetensors`` + ``heads.json`` atomically into ``folder``."""
     folder = Path(folder)
     if folder.exists() and not force:
@@ -267,7 +269,9 @@ def load_heads(folder: str | Path, model: nn.Module) -> MTPBundle:
     return bundle
 
 
-def bundle_from_arrays(arrays: dict, *, model: nn.Module, design: str = "medusa", name: str = "") -> MTPBundle:
+def bundle_from_arrays(
+    arrays: dict, *, model: nn.Module, design: str = "medusa", name: str = ""
+) -> MTPBundle:
     """Build a bundle from weights in our key names (converters use this).
 
     k, the gate and head 0 are inferred from the keys; a missing CLP stays

@@ -1,14 +1,16 @@
 """Tiny random Qwen2 models and helpers shared by the tests (no downloads)."""
 
-import clp_mlx  # noqa: F401  (loads OpenBLAS before mlx, as users get it)
 import mlx.core as mx
 import pytest
 from mlx_lm.models import qwen2
 
+import clp_mlx  # noqa: F401  (loads OpenBLAS before mlx, as users get it)
 from clp_mlx.heads import init_heads
 
 
-def tiny_model(seed: int = 0, *, vocab: int = 128, hidden: int = 64, layers: int = 2, tied: bool = True):
+def tiny_model(
+    seed: int = 0, *, vocab: int = 128, hidden: int = 64, layers: int = 2, tied: bool = True
+):
     """A random Qwen2 with the real architecture (GQA, q/k/v biases, RoPE)."""
     mx.random.seed(seed)
     args = qwen2.ModelArgs(

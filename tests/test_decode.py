@@ -71,7 +71,9 @@ class NoisyOracle(MTPBundle):
 
 
 def orthonormal_output(model):
-    q, _ = mx.linalg.qr(mx.random.normal((model.args.hidden_size, model.args.vocab_size)), stream=mx.cpu)
+    q, _ = mx.linalg.qr(
+        mx.random.normal((model.args.hidden_size, model.args.vocab_size)), stream=mx.cpu
+    )
     model.lm_head.weight = q.T
     mx.eval(model.parameters())
     return model

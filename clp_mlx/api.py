@@ -1,0 +1,185 @@
+"""The Python API, in mlx-lm's shape: load, stream_generate, generate.
+
+model, tokenizer, heads = load("qwen2.5-coder-0.5b-instruct", heads="init")
+text = generate(model, tokenizer, "def fib(n):", heads=heads, mode="verify")
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import backbone
+from .decode import DecodeStats, decode
+from .errors import ClpError
+from .heads import MTPBundle, init_heads, load_heads
+
+DEFAULT_K = 3  # drafts per step for --heads init; trained heads record their own
+
+
+@dataclass
+class Response:
+    """One streamed token, as mlx-lm's ``GenerationResponse`` plus draft facts."""
+
+    text: str
+    token: int
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None
+    stats: DecodeStats
+
+
+def load(
+    model: str | None = None,
+    heads: str | None = None,
+    *,
+    dtype: str | None = None,
+    num_draft_tokens: int | None = None,
+    seed: int = 0,
+):
+    """Load ``(model, tokenizer, heads)``.
+
+    ``model``: a named default, an MLX or Hugging Face folder, a GGUF file or
+    a Hub repo id (None: the default model). ``heads``: a heads folder,
+    ``"init"`` for untrained heads as initialised for training (seeded), or
+    None for the heads shipped with a named default model, if any.
+    """
+    from .sources import resolve_model
+
+    dtype = dtype or backbone.default_dtype()
+    path = resolve_model(model, dtype=dtype)
+    net, tokenizer = backbone.load_backbone(path, dtype)
+    if heads == "init":
+        bundle = init_heads(net, num_draft_tokens or DEFAULT_K, seed=seed, name=str(model or ""))
+    elif heads is not None:
+        if not Path(heads).exists():
+            raise ClpError(f"heads folder {heads} does not exist")
+        bundle = load_heads(heads, net)
+    else:
+        found = shipped_heads(model)
+        bundle = load_heads(found, net) if found is not None else None
+    return net, tokenizer, bundle
+
+
+def shipped_heads(model: str | None) -> Path | None:
+    """The trained heads packaged for a named default model, if there are any."""
+    from .sources import NAMED_MODELS, default_model_name
+
+    name = (model or default_model_name()).lower()
+    folder = Path(__file__).parent / "shipped" / name
+    return folder if name in NAMED_MODELS and (folder / "heads.json").is_file() else None
+
+
+def _encode(tokenizer, prompt) -> list:
+    if isinstance(prompt, str):
+        # mlx-lm's rule: add special tokens unless the prompt carries the BOS.
+        bos = tokenizer.bos_token
+        return tokenizer.encode(
+            prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
+        )
+    return list(prompt)
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt,
+    heads: MTPBundle | None = None,
+    *,
+    mode: str | None = None,
+    max_tokens: int = 256,
+    num_draft_tokens: int | None = None,
+    prompt_cache=None,
+):
+    """Yield a :class:`Response` per token; the last one has a finish reason."""
+    mode = mode or ("verify" if heads is not None else "ar")
+    tokens = _encode(tokenizer, prompt)
+    k = heads.k if heads is not None and mode != "ar" else 0
+    stats = DecodeStats(mode, k)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    gen = decode(
+        tokens,
+        model,
+        heads,
+        mode=mode,
+        num_draft_tokens=num_draft_tokens,
+        max_tokens=max_tokens,
+        prompt_cache=prompt_cache,
+        stats=stats,
+    )
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    n = 0
+    token, from_draft, reason = None, False, "length"
+    for n, (token, from_draft) in enumerate(gen, start=1):
+        if n == 1:
+            prompt_time = time.perf_counter() - tic
+            prompt_tps = len(tokens) / prompt_time
+            tic = time.perf_counter()
+        if token in tokenizer.eos_token_ids:
+            reason = "stop"
+            break
+        detok.add_token(token)
+        if n == max_tokens:
+            break
+        yield _response(
+            detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, None, stats
+        )
+    gen.close()
+    detok.finalize()
+    yield _response(
+        detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, reason, stats
+    )
+
+
+def _response(text, token, from_draft, n_prompt, prompt_tps, n, tic, reason, stats):
+    elapsed = time.perf_counter() - tic
+    return Response(
+        text=text,
+        token=token,
+        from_draft=from_draft,
+        prompt_tokens=n_prompt,
+        prompt_tps=prompt_tps,
+        generation_tokens=n,
+        generation_tps=n / elapsed if elapsed > 0 else 0.0,
+        peak_memory=mx.get_peak_memory() / 1e9,
+        finish_reason=reason,
+        stats=stats,
+    )
+
+
+def generate(
+    model, tokenizer, prompt, heads: MTPBundle | None = None, *, verbose: bool = False, **kwargs
+) -> str:
+    """Generate a complete response; with ``verbose``, stream it and print statistics."""
+    text = ""
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, heads, **kwargs):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print_stats(last)
+    return text
+
+
+def print_stats(r: Response) -> None:
+    s = r.stats
+    print("=" * 10)
+    print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
+    print(f"Mode: {s.mode}, k={s.k}, steps: {s.steps}, tokens per step: {s.tokens_per_step:.3f}")
+    if s.k:
+        print(
+            "Accepted drafts per step: " + ", ".join(f"{i}: {c}" for i, c in enumerate(s.accepted))
+        )
+    print(f"Peak memory: {r.peak_memory:.3f} GB")

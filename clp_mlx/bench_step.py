@@ -1,0 +1,102 @@
+"""Where the time of one decode step goes: ``python -m clp_mlx.bench_step``.
+
+Times, on a warm KV cache, the backbone pass over n = 1..k+1 new tokens (with
+the output projection of those n rows and the greedy choice: what ``ar``
+pays per token at n = 1), and the full step graphs of ``clp`` (1 token fed)
+and ``verify`` (k+1 tokens fed): their extra over the backbone pass of the
+same width is drafting + CLP + verification. Configurations are interleaved
+and each figure is the median of several runs. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from . import backbone
+from .cli import run
+from .decode import _draft_tokens, greedy
+
+
+def _timed(fn, cache, tokens) -> float:
+    tic = time.perf_counter()
+    mx.eval(fn(tokens))
+    dt = time.perf_counter() - tic
+    trim_prompt_cache(cache, tokens.size)
+    return dt
+
+
+def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
+    k = heads.k
+    cache = make_prompt_cache(model)
+    mx.random.seed(0)
+    vocab = model.args.vocab_size
+    backbone.hidden_states(model, mx.random.randint(0, vocab, (context,)), cache)
+    mx.eval([c.state for c in cache])
+
+    def plain(tokens):
+        return greedy(backbone.project(model, backbone.hidden_states(model, tokens, cache)))
+
+    def clp_step(tokens):
+        h = backbone.hidden_states(model, tokens, cache)[-1:]
+        b, d = _draft_tokens(model, heads, h, h)
+        return mx.concatenate([b, d[0], heads.clp_length(h)])
+
+    def verify_step(tokens):
+        h = backbone.hidden_states(model, tokens, cache)
+        b, d = _draft_tokens(model, heads, h, h)
+        a = mx.sum(mx.cumprod((tokens[1:] == b[:-1]).astype(mx.int32)))
+        return mx.concatenate([b, a[None].astype(b.dtype), d[a]])
+
+    configs = {f"backbone x{n}": (plain, n) for n in range(1, k + 2)}
+    configs["clp step (1 fed)"] = (clp_step, 1)
+    configs[f"verify step ({k + 1} fed)"] = (verify_step, k + 1)
+    times = {name: [] for name in configs}
+    for r in range(repeats + 2):  # two warm-up rounds
+        for name, (fn, n) in configs.items():
+            dt = _timed(fn, cache, mx.random.randint(0, vocab, (n,)).astype(mx.uint32))
+            if r >= 2:
+                times[name].append(dt)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m clp_mlx.bench_step", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--model", default=None, help="as for generate (default: the 0.5B)")
+    p.add_argument("--heads", default=None, help="heads folder (default: untrained heads)")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=3)
+    p.add_argument("--context", type=int, default=100, help="tokens already in the KV cache")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--dtype", choices=sorted(backbone.DTYPES), default=None)
+    args = p.parse_args(argv)
+    from .generate import load
+
+    model, _, heads = load(
+        args.model, args.heads or "init", dtype=args.dtype, num_draft_tokens=args.num_draft_tokens
+    )
+    ms = measure(model, heads, context=args.context, repeats=args.repeats)
+    k = heads.k
+    plain = ms["backbone x1"]
+    print(
+        f"| step (k={k}, context {args.context}) | ms (median of {args.repeats}) | vs plain step |"
+    )
+    print("| --- | ---: | ---: |")
+    for name, v in ms.items():
+        print(f"| {name} | {v:.1f} | {v / plain:.2f}x |")
+    clp_extra = ms["clp step (1 fed)"] - plain
+    ver_extra = ms[f"verify step ({k + 1} fed)"] - ms[f"backbone x{k + 1}"]
+    print(f"\nclp: drafting + CLP = {clp_extra:.1f} ms ({clp_extra / plain:.1%} of a plain step)")
+    print(
+        f"verify: drafting + verification = {ver_extra:.1f} ms ({ver_extra / plain:.1%} of a plain step)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
