@@ -1,0 +1,221 @@
+"""Convert a Hugging Face Qwen2 folder into an MLX model folder.
+
+The source is what ``huggingface-cli download Qwen/Qwen2.5-...`` leaves on disk:
+``config.json``, tokenizer files and weights as ``*.safetensors`` or
+``pytorch_model*.bin`` (one file, or shards listed in an ``*.index.json``).
+The result is what ``mlx_lm.convert`` writes and ``mlx_lm.load`` reads.
+
+Hugging Face and mlx-lm name Qwen2's weights alike and store linear layers in
+the same (out, in) layout, so no tensor is renamed or transposed; mlx-lm's own
+``sanitize``, ``quantize_model``, ``save_model`` and ``save_config`` do the rest.
+``.bin`` files are read with :mod:`clp_mlx.torch_zip`, which needs no torch and
+runs no code from the file.  Tokenizer files are copied unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from clp_mlx.errors import ClpError
+from clp_mlx.torch_zip import load_torch_file
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+Q_BITS = (2, 3, 4, 5, 6, 8)
+Q_GROUP_SIZES = (32, 64, 128)
+
+# Files copied as they are: everything a tokenizer or generation needs.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+def _read_config(src: Path) -> dict[str, Any]:
+    path = src / "config.json"
+    if not path.is_file():
+        raise ClpError(f"{src} is not a Hugging Face model folder (no config.json)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ClpError(f"{path} is not valid JSON: {e}") from None
+    if config.get("model_type") != "qwen2":
+        raise ClpError(
+            f"{src}: model_type {config.get('model_type')!r} is not supported (only qwen2)"
+        )
+    if "quantization" in config or "quantization_config" in config:
+        raise ClpError(f"{src} is already quantized; convert an unquantized checkpoint")
+    return config
+
+
+def _weight_files(src: Path) -> list[Path]:
+    """The weight files of ``src``, safetensors preferred; index files are honoured."""
+    for index_name, pattern in (
+        ("model.safetensors.index.json", "model*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    ):
+        index = src / index_name
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+                raise ClpError(f"{index} is not a valid weight index ({e})") from None
+            missing = [n for n in names if not (src / n).is_file()]
+            if missing:
+                raise ClpError(
+                    f"{src}: shard(s) listed in {index_name} are missing: {', '.join(missing)}"
+                )
+            return [src / n for n in names]
+        files = sorted(src.glob(pattern))
+        if files:
+            return files
+    raise ClpError(f"{src} holds no weights (model*.safetensors or pytorch_model*.bin)")
+
+
+def _load_weights(files: list[Path], dtype: mx.Dtype) -> dict[str, mx.array]:
+    """Read every shard, casting float tensors to ``dtype`` shard by shard."""
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            try:
+                shard = mx.load(str(f))
+            except (RuntimeError, ValueError) as e:
+                raise ClpError(f"{f}: cannot read safetensors ({e})") from None
+        else:
+            shard = {k: mx.array(v) for k, v in load_torch_file(f).items()}
+        for name, value in shard.items():
+            if name in weights:
+                raise ClpError(f"{name} appears in more than one weight file")
+            if mx.issubdtype(value.dtype, mx.floating):
+                value = value.astype(dtype)
+            weights[name] = value
+        mx.eval(list(weights.values()))  # free this shard's source buffers now
+    return weights
+
+
+def _check_names(weights: dict[str, mx.array], model: Any) -> None:
+    from mlx.utils import tree_flatten
+
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    missing = sorted(set(expected) - set(weights))
+    unknown = sorted(set(weights) - set(expected))
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} (e.g. {', '.join(missing[:3])})")
+        if unknown:
+            parts.append(f"unexpected {len(unknown)} (e.g. {', '.join(unknown[:3])})")
+        raise ClpError(f"weights do not fit the config: {'; '.join(parts)}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ClpError(
+                f"{name} has shape {tuple(weights[name].shape)}, the config implies {shape}"
+            )
+
+
+def _tokenizer_files(src: Path) -> list[str]:
+    present = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if not {"tokenizer.json", "vocab.json", "tokenizer.model"} & set(present):
+        raise ClpError(f"{src} holds no tokenizer (tokenizer.json, or vocab.json + merges.txt)")
+    return present
+
+
+def _replace_folder(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` to ``out``; an old ``out`` is set aside, then removed."""
+    old = None
+    if out.exists() or out.is_symlink():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    os.replace(tmp, out)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+
+
+def convert_hf(
+    src_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    dtype: str = "float16",
+    q_bits: int | None = None,
+    q_group_size: int = 64,
+    force: bool = False,
+) -> Path:
+    """Convert a Hugging Face Qwen2 folder into an MLX model folder; return its path.
+
+    Args:
+        src_dir: folder with ``config.json``, tokenizer files and weights
+            (``model*.safetensors`` or ``pytorch_model*.bin``, sharded or not).
+        out_dir: folder to create; it must not exist unless ``force``.
+        dtype: ``float16``, ``bfloat16`` or ``float32`` for the written weights.
+        q_bits: quantize with MLX's affine quantization to this many bits
+            (2, 3, 4, 5, 6 or 8), as ``mlx_lm.convert -q`` does; ``None`` keeps
+            ``dtype`` weights.
+        q_group_size: quantization group size (32, 64 or 128).
+        force: replace an existing ``out_dir``.
+
+    The output appears only when complete: it is written into a hidden sibling
+    folder that is renamed at the end and removed on any failure, Ctrl-C included.
+    Raises :class:`ClpError` for anything wrong with the input or the options.
+    """
+    if dtype not in DTYPES:
+        raise ClpError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if q_bits is not None and q_bits not in Q_BITS:
+        raise ClpError(f"unsupported quantization bits {q_bits}; choose from {Q_BITS}")
+    if q_bits is not None and q_group_size not in Q_GROUP_SIZES:
+        raise ClpError(
+            f"unsupported quantization group size {q_group_size}; choose from {Q_GROUP_SIZES}"
+        )
+    src, out = Path(src_dir), Path(out_dir)
+    if not src.is_dir():
+        raise ClpError(f"{src} is not a folder")
+    if out.exists() and not force:
+        raise ClpError(f"output folder {out} already exists (use --force to replace it)")
+    if out.exists() and out.resolve() == src.resolve():
+        raise ClpError("the output folder is the source folder")
+
+    # Cheap checks first: a bad folder fails before any weight is read.
+    config = _read_config(src)
+    files = _weight_files(src)
+    tokenizer_files = _tokenizer_files(src)
+    from mlx_lm.models import qwen2
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    try:
+        model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    except (TypeError, KeyError, ValueError) as e:
+        raise ClpError(f"{src}/config.json does not describe a Qwen2 model ({e})") from None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        for name in tokenizer_files:
+            shutil.copy2(src / name, tmp / name)
+        weights = model.sanitize(_load_weights(files, DTYPES[dtype]))
+        _check_names(weights, model)
+        model.load_weights(list(weights.items()), strict=True)
+        weights.clear()  # the model holds the only reference now
+        if q_bits is not None:
+            model, config = quantize_model(model, config, q_group_size, q_bits)
+        save_model(tmp, model, donate_model=True)
+        save_config(dict(config), tmp / "config.json")
+        _replace_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
