@@ -1,0 +1,140 @@
+"""Head files (save, load, refusal on the wrong backbone) and CLI errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from conftest import random_heads, tiny_model
+
+from clp_mlx.decode import decode
+from clp_mlx.errors import ClpError
+from clp_mlx.generate import main
+from clp_mlx.heads import init_heads, load_heads, save_heads
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def drafts(model, heads, prompt=(1, 2, 3)):
+    return [t for t, _ in decode(list(prompt), model, heads, mode="fixed", max_tokens=20)]
+
+
+def test_saved_heads_load_and_draft_the_same(tmp_path, model):
+    heads = random_heads(model, 3, seed=4, scale=0.3)
+    save_heads(heads, tmp_path / "h")
+    again = load_heads(tmp_path / "h", model)
+    assert again.k == 3 and "gate" in again and "head0" in again
+    assert drafts(model, again) == drafts(model, heads)
+    meta = json.loads((tmp_path / "h" / "heads.json").read_text())
+    assert meta["hidden_size"] == 64 and meta["num_layers"] == 2 and meta["fingerprint"]
+
+
+def test_heads_for_another_backbone_are_refused(tmp_path, model):
+    save_heads(init_heads(model, 2), tmp_path / "h")
+    other = tiny_model(seed=99)  # same shapes, different weights
+    with pytest.raises(ClpError, match="another backbone"):
+        load_heads(tmp_path / "h", other)
+    wider = tiny_model(seed=0, hidden=32)
+    with pytest.raises(ClpError, match="hidden_size"):
+        load_heads(tmp_path / "h", wider)
+
+
+def test_same_backbone_in_half_precision_is_accepted(tmp_path, model):
+    save_heads(init_heads(model, 2), tmp_path / "h")
+    half = tiny_model(seed=0)
+    half.set_dtype(mx.float16)
+    assert load_heads(tmp_path / "h", half).k == 2
+
+
+def test_save_refuses_to_overwrite_and_leaves_nothing_half_written(tmp_path, model):
+    heads = init_heads(model, 2)
+    save_heads(heads, tmp_path / "h")
+    with pytest.raises(ClpError, match="exists"):
+        save_heads(heads, tmp_path / "h")
+    save_heads(heads, tmp_path / "h", force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]
+
+
+def test_not_a_heads_folder(tmp_path, model):
+    with pytest.raises(ClpError, match="heads.json"):
+        load_heads(tmp_path, model)
+    (tmp_path / "heads.json").write_text("{not json")
+    with pytest.raises(ClpError, match="not valid JSON"):
+        load_heads(tmp_path, model)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/no/such/folder", "-p", "hi"], "/no/such/folder"),
+        (["-p", "hi", "-m", "0"], "--max-tokens"),
+        (["-p", "hi", "--num-draft-tokens", "0"], "--num-draft-tokens"),
+        (["-p", "hi", "--temp", "0.7"], "greedy"),
+        (["-m", "5"], "no prompt"),
+    ],
+)
+def test_cli_bad_input_is_one_clear_error(argv, message):
+    with pytest.raises(ClpError, match=message):
+        main(argv)
+
+
+def test_cli_exits_non_zero_without_traceback():
+    out = subprocess.run(
+        [sys.executable, "-m", "clp_mlx.generate", "--model", "/no/such/folder", "-p", "hi"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+
+
+def test_cli_generates_with_init_heads_from_a_model_folder(tmp_path, capsys):
+    from mlx_lm.utils import save_model
+
+    model = tiny_model(0)
+    folder = tmp_path / "tiny"
+    save_model(folder, model)
+    config = dict(model.args.__dict__)
+    (folder / "config.json").write_text(json.dumps(config))
+    _write_byte_tokenizer(folder)
+    for mode in ("ar", "verify"):
+        assert (
+            main(
+                [
+                    "--model",
+                    str(folder),
+                    "--heads",
+                    "init",
+                    "--mode",
+                    mode,
+                    "-p",
+                    "ab",
+                    "-m",
+                    "8",
+                    "--verbose",
+                ]
+            )
+            == 0
+        )
+    out = capsys.readouterr().out
+    assert "tokens per step" in out and "Mode: verify, k=3" in out
+
+
+def _write_byte_tokenizer(folder):
+    """A 128-token byte-level tokenizer, enough for mlx_lm.load."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()[:127]
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<|endoftext|>"] = 127
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
+    )
