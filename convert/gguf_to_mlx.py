@@ -1,0 +1,83 @@
+"""Convert a Qwen2 GGUF file (llama.cpp) into an MLX model folder.
+
+Example::
+
+    python convert/gguf_to_mlx.py qwen2.5-0.5b-instruct-q4_k_m.gguf -o qwen05-mlx
+    python convert/gguf_to_mlx.py model.gguf -o model-4bit -q 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Let the script run from a checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from clp_mlx.errors import ClpError
+from clp_mlx.gguf_convert import DTYPES, Q_BITS, Q_GROUP_SIZES, convert_gguf
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    """The command-line options of the converter."""
+    parser = argparse.ArgumentParser(
+        description="Convert a Qwen2 GGUF file into an MLX model folder (config, safetensors, tokenizer)."
+    )
+    parser.add_argument("gguf", help="path to the .gguf file")
+    parser.add_argument(
+        "-o", "--out", required=True, help="output folder (must not exist unless --force)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float16",
+        help="dtype of the written weights (default: float16)",
+    )
+    parser.add_argument(
+        "-q",
+        "--q-bits",
+        type=int,
+        choices=Q_BITS,
+        default=None,
+        help="re-quantize with MLX to this many bits",
+    )
+    parser.add_argument(
+        "--q-group-size",
+        type=int,
+        choices=Q_GROUP_SIZES,
+        default=64,
+        help="MLX quantization group size (default: 64)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="replace the output folder if it exists"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the converter; returns the process exit status."""
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        out = convert_gguf(
+            args.gguf,
+            args.out,
+            dtype=args.dtype,
+            q_bits=args.q_bits,
+            q_group_size=args.q_group_size,
+            force=args.force,
+            progress=not args.no_progress,
+        )
+    except ClpError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
