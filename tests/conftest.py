@@ -77,3 +77,25 @@ class FakeTokenizer:
 @pytest.fixture(scope="session")
 def model():
     return tiny_model(0)
+
+
+def write_model_folder(folder, model):
+    """Save a tiny model as an mlx-lm folder with a 128-token byte tokenizer."""
+    import json
+
+    from mlx_lm.utils import save_model
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    save_model(folder, model)
+    (folder / "config.json").write_text(json.dumps(dict(model.args.__dict__)))
+    alphabet = sorted(ByteLevel.alphabet())[:127]
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab["<|endoftext|>"] = 127
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

@@ -1,0 +1,263 @@
+"""``python -m clp_mlx.train``: train MTP heads, CLP and the baselines on-device.
+
+    python -m clp_mlx.train --data wiki.train.raw --out heads-05b          # train
+    python -m clp_mlx.train --eval --heads heads-05b --data wiki.valid.raw  # evaluate
+
+Phases: (1) backbone features, cached and resumable; (2) heads (and head 0),
+checkpointed every N steps and resumable; (3) CLP and the gate on the frozen
+heads. CLP's label at a position is the longest run of heads 1..n whose draft
+equals the backbone's own greedy choice there: that is what verify accepts
+and what keeps clp mode's output close to the backbone's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+from . import backbone
+from .cli import run
+from .errors import ClpError
+from .features import extract, load_features, tokenize_files
+from .heads import DESIGNS, init_heads, load_heads, save_heads
+from .trainer import (
+    HeadTrainer,
+    Positions,
+    TrainConfig,
+    draft_vocabulary,
+    elapsed,
+    full_vocab_drafts,
+    run_lengths,
+)
+
+SMALL_SAMPLE = 4096  # positions for CLP/gate training and per-checkpoint evaluation
+
+
+def fit_small(module, loss_fn, data: dict, steps: int = 300, lr: float = 3e-3, seed: int = 0):
+    """Full-batch-ish Adam on a small module (CLP or the gate)."""
+    opt = optim.Adam(learning_rate=lr)
+    grad = nn.value_and_grad(module, loss_fn)
+    n = next(iter(data.values())).shape[0]
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        idx = mx.array(rng.integers(0, n, min(n, 1024)))
+        loss, g = grad({k: v[idx] for k, v in data.items()})
+        opt.update(module, g)
+        mx.eval(module.parameters(), opt.state)
+    return loss.item()
+
+
+def train_decisions(model, bundle, data: Positions, seed: int, steps: int) -> dict:
+    """CLP and the gate, trained on the frozen heads' full-vocabulary drafts."""
+    idx = np.random.default_rng([seed, 1]).choice(
+        len(data), min(len(data), 4 * SMALL_SAMPLE), replace=False
+    )
+    drafts = full_vocab_drafts(model, bundle, data, idx)
+    at = data.index[idx]
+    ahead = at[:, None] + np.arange(1, bundle.k + 1)[None]
+    agree = drafts == data.greedy[ahead]
+    label = run_lengths(agree)
+    h = mx.array(data.hidden[at], dtype=mx.float32)
+    bundle.freeze()
+    bundle.clp.unfreeze()
+
+    def clp_loss(b):
+        return nn.losses.cross_entropy(bundle.clp(b["h"]), b["y"], reduction="mean")
+
+    clp_loss_end = fit_small(bundle, clp_loss, {"h": h, "y": mx.array(label)}, steps, seed=seed)
+    out = {
+        "clp_loss": clp_loss_end,
+        "label_histogram": np.bincount(label, minlength=bundle.k + 1).tolist(),
+    }
+    if "gate" in bundle:
+        bundle.freeze()
+        bundle.gate.unfreeze()
+
+        def gate_loss(b):
+            return nn.losses.binary_cross_entropy(bundle.gate(b["h"]), b["y"], reduction="mean")
+
+        targets = {"h": h, "y": mx.array(agree.astype(np.float32))}
+        out["gate_loss"] = fit_small(bundle, gate_loss, targets, steps, seed=seed)
+    bundle.unfreeze()
+    truth = drafts == data.tokens[ahead + 1]
+    out["agree_with_greedy"] = agree.mean(axis=0).round(4).tolist()
+    out["agree_with_text"] = truth.mean(axis=0).round(4).tolist()
+    out["mean_run_greedy"] = float(run_lengths(agree).mean())
+    out["mean_run_text"] = float(run_lengths(truth).mean())
+    return out
+
+
+def evaluate(model, bundle, data: Positions, seed: int = 0, n: int = SMALL_SAMPLE) -> dict:
+    """Top-1 of each head vs the backbone's greedy and vs the text; CLP's confusion."""
+    idx = np.random.default_rng([seed, 2]).choice(len(data), min(len(data), n), replace=False)
+    drafts = full_vocab_drafts(model, bundle, data, idx)
+    at = data.index[idx]
+    ahead = at[:, None] + np.arange(1, bundle.k + 1)[None]
+    agree = drafts == data.greedy[ahead]
+    truth = drafts == data.tokens[ahead + 1]
+    label = run_lengths(agree)
+    pred = np.array(bundle.clp_length(mx.array(data.hidden[at], dtype=mx.float32)))
+    confusion = np.zeros((bundle.k + 1, bundle.k + 1), dtype=int)
+    np.add.at(confusion, (label, pred), 1)
+    backbone_acc = float((data.greedy[at] == data.tokens[at + 1]).mean())
+    return {
+        "positions": int(idx.size),
+        "head_top1_vs_greedy": agree.mean(axis=0).round(4).tolist(),
+        "head_top1_vs_text": truth.mean(axis=0).round(4).tolist(),
+        "backbone_top1_vs_text": round(backbone_acc, 4),
+        "expected_tokens_per_pass_verify": round(1 + float(label.mean()), 3),
+        "clp_confusion_rows_label_cols_pred": confusion.tolist(),
+        "clp_accuracy": round(float(np.trace(confusion) / idx.size), 4),
+    }
+
+
+def features_for(model, tokenizer, args, folder: Path) -> Positions:
+    tokens = tokenize_files(tokenizer, args.data, seq_len=args.seq_len, max_tokens=args.max_tokens)
+    extract(model, tokens, folder)
+    return load_features(folder)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m clp_mlx.train", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="as for generate (default: the 0.5B)")
+    p.add_argument("--data", nargs="+", required=True, help="text files (WikiText raw, code, ...)")
+    p.add_argument("--out", help="heads folder to write (training)")
+    p.add_argument("--heads", help="heads folder to evaluate (--eval)")
+    p.add_argument("--eval", action="store_true", help="evaluate --heads on --data")
+    p.add_argument("--work-dir", help="features and checkpoints (default: <out>.work)")
+    p.add_argument("--k", type=int, default=TrainConfig.k)
+    p.add_argument("--design", choices=DESIGNS, default=TrainConfig.design)
+    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--batch", type=int, default=TrainConfig.batch)
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument(
+        "--max-tokens", type=int, default=120_000, help="training text budget, in tokens"
+    )
+    p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every)
+    p.add_argument(
+        "--decision-steps", type=int, default=300, help="Adam steps for CLP and the gate"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    return p
+
+
+def main(argv=None, *, stop_after: int | None = None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    from .api import load
+
+    if args.eval:
+        if not args.heads:
+            raise ClpError("--eval needs --heads FOLDER")
+        model, tokenizer, _ = load(args.model, None)
+        bundle = load_heads(args.heads, model)
+        work = Path(args.work_dir or f"{args.heads}.eval-work")
+        data = Positions(*features_for(model, tokenizer, args, work), bundle.k)
+        print(json.dumps(evaluate(model, bundle, data, args.seed), indent=1))
+        return 0
+    if not args.out:
+        raise ClpError("training needs --out FOLDER for the heads")
+    if Path(args.out).exists() and not args.force:
+        raise ClpError(f"{args.out} exists; pass --force to replace it")
+    cfg = TrainConfig(
+        k=args.k,
+        design=args.design,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        draft_vocab=args.draft_vocab,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+    )
+    t0 = time.perf_counter()
+    model, tokenizer, _ = load(args.model, None)
+    work = Path(args.work_dir or f"{args.out}.work")
+    tokens, hidden, greedy_ids = features_for(model, tokenizer, args, work / "features")
+    t_features = elapsed(t0)
+    data = Positions(tokens, hidden, greedy_ids, cfg.k)
+    vocab_ids = draft_vocabulary(greedy_ids, cfg.draft_vocab, model.args.vocab_size)
+    coverage = float(np.isin(greedy_ids, vocab_ids).mean())
+    bundle = init_heads(model, cfg.k, design=cfg.design, seed=cfg.seed, name=str(args.model or ""))
+    bundle.set_dtype(mx.float32)
+    trainer = HeadTrainer(model, bundle, data, cfg, vocab_ids)
+    if trainer.restore(work / "checkpoint"):
+        print(f"resuming at step {trainer.step}", file=sys.stderr)
+    history = _train_loop(trainer, work, stop_after)
+    t_heads = elapsed(t0)
+    decisions = train_decisions(model, bundle, data, cfg.seed, args.decision_steps)
+    report = {
+        "command": "python -m clp_mlx.train "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "data": [Path(d).name for d in args.data],
+        "train_tokens": int(tokens.size),
+        "config": cfg.__dict__,
+        "draft_vocab_coverage": round(coverage, 4),
+        "seconds": {"features": t_features, "heads": t_heads - t_features, "total": elapsed(t0)},
+        "history": history,
+        "decisions": decisions,
+        "backbone_fingerprint": bundle.config.fingerprint,
+    }
+    save_heads(bundle, args.out, force=args.force, extra={"training": report})
+    _plot(history, Path(args.out) / "training.png")
+    (Path(args.out) / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in ("seconds", "decisions")}, indent=1))
+    return 0
+
+
+def _train_loop(trainer: HeadTrainer, work: Path, stop_after: int | None) -> list:
+    from tqdm import tqdm
+
+    cfg = trainer.cfg
+    history_path = work / "checkpoint" / "history.json"
+    history = json.loads(history_path.read_text()) if trainer.step and history_path.exists() else []
+    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="heads", unit="step")
+    window = []  # (loss, acc) since the last checkpoint, averaged into the history
+    while trainer.step < cfg.steps:
+        loss, acc = trainer.train_step()
+        window.append([loss, *acc])
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in acc))
+        if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
+            mean = np.mean(window, axis=0).round(4).tolist()
+            history.append({"step": trainer.step, "loss": mean[0], "acc": mean[1:]})
+            window = []
+            trainer.save(work / "checkpoint")
+            history_path.write_text(json.dumps(history))
+        if stop_after is not None and trainer.step >= stop_after:
+            raise KeyboardInterrupt  # tests: an interrupt right after a checkpoint
+    bar.close()
+    return history
+
+
+def _plot(history: list, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return  # the plot is optional: pip install matplotlib
+    steps = [h["step"] for h in history]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i in range(len(history[0]["acc"]) if history else 0):
+        ax.plot(steps, [h["acc"][i] for h in history], label=f"head {i + 1} (t+{i + 2})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("top-1 vs backbone greedy (draft vocab, batch)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    run(main)

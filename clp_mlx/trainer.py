@@ -1,0 +1,185 @@
+"""Training MTP heads, then CLP, the gate and head 0, on a frozen backbone.
+
+Heads learn from cached backbone features (see :mod:`clp_mlx.features`):
+head i maps h_t to a hidden vector that should (a) project to the backbone's
+own greedy token b_{t+i} (cross-entropy over a reduced draft vocabulary, the
+most frequent backbone predictions: FR-Spec's trick, since a full-vocabulary
+projection per head per token is the expensive part) and (b) be close to the
+backbone's hidden state h_{t+i} (feature-level distillation, as EAGLE does).
+
+Batches are drawn from a generator seeded by (seed, step), and the optimizer
+state is checkpointed with the heads, so a resumed run takes the same steps
+as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import backbone
+from .heads import MTPBundle
+
+
+@dataclass
+class TrainConfig:
+    k: int = 3
+    design: str = "embed"
+    steps: int = 1500
+    batch: int = 256
+    lr: float = 1e-3
+    feature_weight: float = 0.1  # smooth-L1 to h_{t+i} next to the CE term
+    draft_vocab: int = 16384  # reduced vocabulary for the training CE
+    seed: int = 0
+    checkpoint_every: int = 100  # also how often the history records loss and accuracy
+
+
+class Positions:
+    """Flat view of the cached features: position t and its k futures."""
+
+    def __init__(self, tokens, hidden, greedy_ids, k):
+        n, length = tokens.shape
+        self.k = k
+        self.hidden = hidden.reshape(n * length, -1)
+        self.greedy = greedy_ids.reshape(-1)
+        self.tokens = tokens.reshape(-1)
+        t = np.arange(length - 1 - k)  # positions whose k futures lie in the row
+        self.index = (np.arange(n)[:, None] * length + t[None]).reshape(-1)
+
+    def __len__(self):
+        return self.index.size
+
+    def batch(self, idx: np.ndarray):
+        at = self.index[idx]
+        ahead = at[:, None] + np.arange(1, self.k + 1)[None]
+        return {
+            "h": mx.array(self.hidden[at], dtype=mx.float32),
+            "b": mx.array(self.greedy[at]),  # backbone's token t+1
+            "future_h": mx.array(self.hidden[ahead], dtype=mx.float32),
+            "future_b": mx.array(self.greedy[ahead]),  # backbone's choice of t+1+i
+            "next_true": mx.array(self.tokens[at + 1]),  # text token t+1 (head 0)
+            "future_true": mx.array(self.tokens[ahead + 1]),  # text token t+1+i
+        }
+
+
+def draft_vocabulary(greedy_ids: np.ndarray, size: int, vocab: int) -> np.ndarray:
+    counts = np.bincount(greedy_ids.reshape(-1), minlength=vocab)
+    return np.sort(np.argsort(-counts, kind="stable")[: min(size, vocab)])
+
+
+class HeadTrainer:
+    def __init__(self, model, bundle: MTPBundle, data: Positions, cfg: TrainConfig, vocab_ids):
+        self.model, self.bundle, self.data, self.cfg = model, bundle, data, cfg
+        weight = _output_weight(model)
+        self.w_draft = weight[mx.array(vocab_ids)]
+        id_map = np.full(model.args.vocab_size, -1, dtype=np.int32)
+        id_map[vocab_ids] = np.arange(len(vocab_ids))
+        self.id_map = mx.array(id_map)
+        bundle.freeze()
+        for head in bundle.heads:
+            head.unfreeze()
+        if "head0" in bundle:
+            bundle.head0.unfreeze()
+        self.opt = optim.AdamW(
+            learning_rate=optim.cosine_decay(cfg.lr, cfg.steps), weight_decay=0.0
+        )
+        self.step = 0
+        self._grad = nn.value_and_grad(bundle, self._loss)
+
+    def _ce(self, hidden, ids):
+        mapped = self.id_map[ids]
+        valid = (mapped >= 0).astype(mx.float32)
+        logits = hidden @ self.w_draft.T
+        ce = nn.losses.cross_entropy(logits, mx.maximum(mapped, 0), reduction="none")
+        hit = (mx.argmax(logits, axis=-1) == mapped).astype(mx.float32) * valid
+        return (ce * valid).sum() / mx.maximum(valid.sum(), 1), hit, valid
+
+    def _loss(self, batch):
+        bundle = self.bundle
+        emb = backbone.embed(self.model, batch["b"]) if bundle.uses_token_embedding else None
+        out = bundle.draft_hidden(batch["h"], emb)  # (B, k, d)
+        ce, hit, valid = self._ce(out, batch["future_b"])
+        feat = nn.losses.smooth_l1_loss(out, batch["future_h"], reduction="mean")
+        loss = ce + self.cfg.feature_weight * feat
+        if "head0" in bundle:
+            ce0, _, _ = self._ce(bundle.head0(batch["h"]), batch["next_true"])
+            loss = loss + ce0
+        acc = hit.sum(axis=0) / mx.maximum(valid.sum(axis=0), 1)
+        return loss, acc
+
+    def batch_indices(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.cfg.seed, step])
+        return rng.integers(0, len(self.data), self.cfg.batch)
+
+    def train_step(self):
+        batch = self.data.batch(self.batch_indices(self.step))
+        (loss, acc), grads = self._grad(batch)
+        self.opt.update(self.bundle, grads)
+        mx.eval(self.bundle.parameters(), self.opt.state, loss, acc)
+        self.step += 1
+        return loss.item(), acc.tolist()
+
+    # -- checkpoints ---------------------------------------------------
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        arrays = dict(tree_flatten(self.bundle.parameters(), prefix=".model"))
+        arrays.update(tree_flatten(self.opt.state, prefix=".opt"))
+        tmp = folder / "state.tmp.safetensors"
+        mx.save_safetensors(str(tmp), arrays)
+        os.replace(tmp, folder / "state.safetensors")
+        meta = {"step": self.step, "config": asdict(self.cfg)}
+        (folder / "state.tmp.json").write_text(json.dumps(meta))
+        os.replace(folder / "state.tmp.json", folder / "state.json")
+
+    def restore(self, folder: Path) -> bool:
+        meta_path = folder / "state.json"
+        if not meta_path.exists():
+            return False
+        meta = json.loads(meta_path.read_text())
+        if meta["config"] != asdict(self.cfg):
+            return False  # another configuration: start afresh
+        arrays = mx.load(str(folder / "state.safetensors"))
+        model = [(k[len("model.") :], v) for k, v in arrays.items() if k.startswith("model.")]
+        self.bundle.load_weights(model)
+        opt = [(k[len("opt.") :], v) for k, v in arrays.items() if k.startswith("opt.")]
+        self.opt.state = tree_unflatten(opt)
+        self.step = meta["step"]
+        return True
+
+
+def _output_weight(model) -> mx.array:
+    layer = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+    if isinstance(layer, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
+        from .errors import ClpError
+
+        raise ClpError("training needs a float backbone; convert without -q")
+    return layer.weight.astype(mx.float32)
+
+
+def full_vocab_drafts(model, bundle: MTPBundle, data: Positions, idx: np.ndarray, batch=128):
+    """Each head's greedy draft over the whole vocabulary, as inference sees it."""
+    out = []
+    for s in range(0, idx.size, batch):
+        b = data.batch(idx[s : s + batch])
+        emb = backbone.embed(model, b["b"]) if bundle.uses_token_embedding else None
+        d = mx.argmax(backbone.project(model, bundle.draft_hidden(b["h"], emb)), axis=-1)
+        out.append(np.array(d))
+    return np.concatenate(out)
+
+
+def run_lengths(correct: np.ndarray) -> np.ndarray:
+    """CLP label: length of the longest all-correct prefix of heads 1..n."""
+    return np.cumprod(correct, axis=1).sum(axis=1)
+
+
+def elapsed(t0: float) -> float:
+    return round(time.perf_counter() - t0, 1)

@@ -1,0 +1,92 @@
+"""Training heads and CLP on a tiny model: loss falls, labels, resume."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import tiny_model, write_model_folder
+from mlx.utils import tree_flatten
+
+from clp_mlx.errors import ClpError
+from clp_mlx.train import main
+from clp_mlx.trainer import run_lengths
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    folder = write_model_folder(root / "tiny", tiny_model(0, vocab=128))
+    text = root / "text.txt"
+    rng = np.random.default_rng(0)
+    words = ["alpha ", "beta ", "gamma ", "delta\n", "the cat sat ", "on the mat "]
+    text.write_text("".join(rng.choice(words, 3000)))
+    return root, folder, text
+
+
+def args(root, folder, text, out, steps=40, extra=()):
+    return [
+        "--model",
+        str(folder),
+        "--data",
+        str(text),
+        "--out",
+        str(root / out),
+        "--k",
+        "2",
+        "--steps",
+        str(steps),
+        "--batch",
+        "64",
+        "--seq-len",
+        "64",
+        "--max-tokens",
+        "4096",
+        "--draft-vocab",
+        "64",
+        "--checkpoint-every",
+        "10",
+        "--lr",
+        "3e-3",
+        "--decision-steps",
+        "10",
+        *extra,
+    ]
+
+
+def test_clp_labels_are_the_longest_correct_prefix():
+    correct = np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]])
+    assert run_lengths(correct).tolist() == [2, 0, 4, 1]
+
+
+def test_training_lowers_the_loss_and_writes_heads(setup):
+    root, folder, text = setup
+    assert main(args(root, folder, text, "heads", steps=60)) == 0
+    report = json.loads((root / "heads" / "training.json").read_text())
+    losses = [h["loss"] for h in report["history"]]
+    assert losses[-1] < 0.8 * losses[0], losses
+    meta = json.loads((root / "heads" / "heads.json").read_text())
+    assert meta["k"] == 2 and meta["gate_hidden"] > 0 and meta["head0"]
+    assert sum(report["decisions"]["label_histogram"]) > 0
+
+
+def test_resume_after_interrupt_equals_uninterrupted_run(setup):
+    root, folder, text = setup
+    main(args(root, folder, text, "straight", steps=30))
+    with pytest.raises(KeyboardInterrupt):
+        main(args(root, folder, text, "resumed", steps=30), stop_after=20)
+    assert not (root / "resumed").exists()
+    main(args(root, folder, text, "resumed", steps=30))
+    a = mx.load(str(root / "straight" / "heads.safetensors"))
+    b = mx.load(str(root / "resumed" / "heads.safetensors"))
+    for key in a:
+        if key.startswith(("heads.", "head0.")):
+            assert mx.array_equal(a[key], b[key]).item(), key
+
+
+def test_bad_training_input(setup, tmp_path):
+    root, folder, text = setup
+    with pytest.raises(ClpError, match="does not exist"):
+        main(args(root, folder, tmp_path / "missing.txt", "x"))
+    with pytest.raises(ClpError, match="exists"):
+        main(args(root, folder, text, "heads"))
