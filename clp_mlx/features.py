@@ -32,7 +32,14 @@ def tokenize_files(tokenizer, paths: list[str], *, seq_len: int, max_tokens: int
         if not p.is_file():
             raise ClpError(f"training text {path} does not exist")
         text = p.read_text(encoding="utf-8", errors="replace")
-        ids.extend(tokenizer.encode(text))
+        # Encode block by block (cut at line ends) so a large file costs only
+        # the tokens the budget asks for.
+        start = 0
+        while start < len(text) and len(ids) < max_tokens:
+            end = text.find("\n", start + 100_000)
+            end = len(text) if end < 0 else end + 1
+            ids.extend(tokenizer.encode(text[start:end]))
+            start = end
         if len(ids) >= max_tokens:
             break
     n = min(len(ids), max_tokens) // seq_len

@@ -1,10 +1,14 @@
 """Tiny random Qwen2 models and helpers shared by the tests (no downloads)."""
 
+# clp_mlx must be imported before mlx: it loads OpenBLAS, without which the
+# CPU backend's matmuls are ~30x slower (and so is this test suite).
+import clp_mlx  # noqa: F401
+
+# isort: split
 import mlx.core as mx
 import pytest
 from mlx_lm.models import qwen2
 
-import clp_mlx  # noqa: F401  (loads OpenBLAS before mlx, as users get it)
 from clp_mlx.heads import init_heads
 
 
