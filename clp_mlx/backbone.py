@@ -57,6 +57,21 @@ def project(model: nn.Module, h: mx.array) -> mx.array:
     return model.lm_head(h)
 
 
+def _output_layer(model: nn.Module):
+    return model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+
+
+def is_quantized_output(model: nn.Module) -> bool:
+    return isinstance(_output_layer(model), (nn.QuantizedEmbedding, nn.QuantizedLinear))
+
+
+def output_weight(model: nn.Module) -> mx.array:
+    """The (vocab, hidden) output projection matrix of a float backbone."""
+    if is_quantized_output(model):
+        raise ClpError("this needs a float backbone; convert without -q")
+    return _output_layer(model).weight
+
+
 def embed(model: nn.Module, tokens: mx.array) -> mx.array:
     return model.model.embed_tokens(tokens)
 

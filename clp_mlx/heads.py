@@ -95,6 +95,7 @@ class HeadsConfig:
     probe: list = field(default_factory=list, repr=False)
     gate_hidden: int = 0  # 0: no gate baseline in this bundle
     head0: bool = False  # the prior-MTP baseline's competing t+1 head
+    draft_vocab: int = 0  # >0: heads draft only from this many frequent tokens (FR-Spec)
     backbone: str = ""  # a name for people; matching uses the fields above
     format: str = FORMAT
     version: int = 1
@@ -118,6 +119,29 @@ class MTPBundle(nn.Module):
             self.gate = Gate(d, k, config.gate_hidden)
         if config.head0:
             self.head0 = ResBlock(d)
+        if config.draft_vocab:
+            self.draft_vocab = mx.zeros((config.draft_vocab,), dtype=mx.int32)
+        self._draft_weight = None
+
+    def draft_ids(self, model: nn.Module, hidden: mx.array) -> mx.array:
+        """Greedy draft tokens for head outputs ``hidden`` (..., d).
+
+        With a draft vocabulary the heads choose among its tokens only: a
+        (V', d) slice of the output projection instead of all of it, a
+        fraction of the cost, and verification keeps the output exact anyway.
+        """
+        if "draft_vocab" not in self or backbone.is_quantized_output(model):
+            return mx.argmax(backbone.project(model, hidden), axis=-1)
+        if self._draft_weight is None:
+            self._draft_weight = backbone.output_weight(model)[self.draft_vocab]
+            mx.eval(self._draft_weight)
+        return self.draft_vocab[mx.argmax(hidden @ self._draft_weight.T, axis=-1)]
+
+    def set_draft_vocab(self, ids) -> None:
+        """Restrict drafting to ``ids`` (sorted token ids), as training chose them."""
+        self.config.draft_vocab = len(ids)
+        self.draft_vocab = mx.array(ids, dtype=mx.int32)
+        self._draft_weight = None
 
     @property
     def k(self) -> int:

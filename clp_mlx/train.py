@@ -23,7 +23,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from . import backbone
 from .cli import run
 from .errors import ClpError
 from .features import extract, load_features, tokenize_files
@@ -34,7 +33,7 @@ from .trainer import (
     TrainConfig,
     draft_vocabulary,
     elapsed,
-    full_vocab_drafts,
+    head_drafts,
     run_lengths,
 )
 
@@ -60,7 +59,7 @@ def train_decisions(model, bundle, data: Positions, seed: int, steps: int) -> di
     idx = np.random.default_rng([seed, 1]).choice(
         len(data), min(len(data), 4 * SMALL_SAMPLE), replace=False
     )
-    drafts = full_vocab_drafts(model, bundle, data, idx)
+    drafts = head_drafts(model, bundle, data, idx)
     at = data.index[idx]
     ahead = at[:, None] + np.arange(1, bundle.k + 1)[None]
     agree = drafts == data.greedy[ahead]
@@ -98,7 +97,7 @@ def train_decisions(model, bundle, data: Positions, seed: int, steps: int) -> di
 def evaluate(model, bundle, data: Positions, seed: int = 0, n: int = SMALL_SAMPLE) -> dict:
     """Top-1 of each head vs the backbone's greedy and vs the text; CLP's confusion."""
     idx = np.random.default_rng([seed, 2]).choice(len(data), min(len(data), n), replace=False)
-    drafts = full_vocab_drafts(model, bundle, data, idx)
+    drafts = head_drafts(model, bundle, data, idx)
     at = data.index[idx]
     ahead = at[:, None] + np.arange(1, bundle.k + 1)[None]
     agree = drafts == data.greedy[ahead]
@@ -189,6 +188,7 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
     coverage = float(np.isin(greedy_ids, vocab_ids).mean())
     bundle = init_heads(model, cfg.k, design=cfg.design, seed=cfg.seed, name=str(args.model or ""))
     bundle.set_dtype(mx.float32)
+    bundle.set_draft_vocab(vocab_ids)
     trainer = HeadTrainer(model, bundle, data, cfg, vocab_ids)
     if trainer.restore(work / "checkpoint"):
         print(f"resuming at step {trainer.step}", file=sys.stderr)

@@ -79,8 +79,7 @@ def draft_vocabulary(greedy_ids: np.ndarray, size: int, vocab: int) -> np.ndarra
 class HeadTrainer:
     def __init__(self, model, bundle: MTPBundle, data: Positions, cfg: TrainConfig, vocab_ids):
         self.model, self.bundle, self.data, self.cfg = model, bundle, data, cfg
-        weight = _output_weight(model)
-        self.w_draft = weight[mx.array(vocab_ids)]
+        self.w_draft = backbone.output_weight(model).astype(mx.float32)[mx.array(vocab_ids)]
         id_map = np.full(model.args.vocab_size, -1, dtype=np.int32)
         id_map[vocab_ids] = np.arange(len(vocab_ids))
         self.id_map = mx.array(id_map)
@@ -156,23 +155,13 @@ class HeadTrainer:
         return True
 
 
-def _output_weight(model) -> mx.array:
-    layer = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
-    if isinstance(layer, (nn.QuantizedEmbedding, nn.QuantizedLinear)):
-        from .errors import ClpError
-
-        raise ClpError("training needs a float backbone; convert without -q")
-    return layer.weight.astype(mx.float32)
-
-
-def full_vocab_drafts(model, bundle: MTPBundle, data: Positions, idx: np.ndarray, batch=128):
-    """Each head's greedy draft over the whole vocabulary, as inference sees it."""
+def head_drafts(model, bundle: MTPBundle, data: Positions, idx: np.ndarray, batch=128):
+    """Each head's greedy draft at positions ``idx``, exactly as decoding drafts."""
     out = []
     for s in range(0, idx.size, batch):
         b = data.batch(idx[s : s + batch])
         emb = backbone.embed(model, b["b"]) if bundle.uses_token_embedding else None
-        d = mx.argmax(backbone.project(model, bundle.draft_hidden(b["h"], emb)), axis=-1)
-        out.append(np.array(d))
+        out.append(np.array(bundle.draft_ids(model, bundle.draft_hidden(b["h"], emb))))
     return np.concatenate(out)
 
 

@@ -6,7 +6,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import tiny_model, write_model_folder
-from mlx.utils import tree_flatten
 
 from clp_mlx.errors import ClpError
 from clp_mlx.train import main
