@@ -2,6 +2,7 @@
 
 model, tokenizer, heads = load("qwen2.5-coder-0.5b-instruct", heads="init")
 text = generate(model, tokenizer, "def fib(n):", heads=heads, mode="verify")
+text = generate(model, tokenizer, "def fib(n):", heads=heads, temp=0.7, top_p=0.9, seed=1)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from . import backbone
 from .decode import DecodeStats, decode
 from .errors import ClpError
 from .heads import MTPBundle, init_heads, load_heads
+from .sampling import Sampling
 
 DEFAULT_K = 3  # drafts per step for --heads init; trained heads record their own
 
@@ -97,9 +99,21 @@ def stream_generate(
     max_tokens: int = 256,
     num_draft_tokens: int | None = None,
     prompt_cache=None,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
 ):
-    """Yield a :class:`Response` per token; the last one has a finish reason."""
+    """Yield a :class:`Response` per token; the last one has a finish reason.
+
+    ``temp`` 0 is greedy; above 0, tokens are sampled (``top_p``/``top_k``
+    as in mlx-lm; ``seed`` None follows ``mx.random.seed``). ``verify``
+    samples exactly from the backbone's distribution; see
+    :mod:`clp_mlx.decode` for the other modes. ``prompt_cache`` is extended
+    in place: see :func:`clp_mlx.decode.decode` for what it holds after.
+    """
     mode = mode or ("verify" if heads is not None else "ar")
+    sampling = Sampling(temp, top_p, top_k, seed)
     tokens = _encode(tokenizer, prompt)
     k = heads.k if heads is not None and mode != "ar" else 0
     stats = DecodeStats(mode, k)
@@ -114,26 +128,31 @@ def stream_generate(
         max_tokens=max_tokens,
         prompt_cache=prompt_cache,
         stats=stats,
+        sampling=sampling,
     )
     tic = time.perf_counter()
     prompt_tps = 0.0
     n = 0
     token, from_draft, reason = None, False, "length"
-    for n, (token, from_draft) in enumerate(gen, start=1):
-        if n == 1:
-            prompt_time = time.perf_counter() - tic
-            prompt_tps = len(tokens) / prompt_time
-            tic = time.perf_counter()
-        if token in tokenizer.eos_token_ids:
-            reason = "stop"
-            break
-        detok.add_token(token)
-        if n == max_tokens:
-            break
-        yield _response(
-            detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, None, stats
-        )
-    gen.close()
+    try:
+        for n, (token, from_draft) in enumerate(gen, start=1):
+            if n == 1:
+                prompt_time = time.perf_counter() - tic
+                prompt_tps = len(tokens) / prompt_time
+                tic = time.perf_counter()
+            if token in tokenizer.eos_token_ids:
+                reason = "stop"
+                break
+            detok.add_token(token)
+            if n == max_tokens:
+                break
+            yield _response(
+                detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, None, stats
+            )
+    finally:
+        # Also when the caller stops early: the decode generator leaves its
+        # stream context now, not whenever it is garbage-collected.
+        gen.close()
     detok.finalize()
     yield _response(
         detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, reason, stats

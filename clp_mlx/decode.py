@@ -17,6 +17,28 @@ Modes:
                paper diagnoses), plus the drafts CLP accepts.
     verify     lossless: drafts are fed with the next pass and each is checked
                against the backbone's prediction at the position before it.
+
+Sampling (``temp > 0``; ``temp == 0`` is the greedy path above, unchanged).
+p is the backbone's distribution and q_i head i's, both through the same
+temperature/top-p/top-k transform (:func:`clp_mlx.sampling.log_probs`):
+
+    ar         each token drawn from p.
+    verify     speculative sampling, still lossless: drafts are drawn from q,
+               draft x is accepted with probability min(1, p(x)/q(x)) where p
+               is the backbone's distribution at the position before it; the
+               first rejected draft is replaced by a draw from the normalised
+               residual max(0, p - q), and if all are accepted the next token
+               is drawn from p at the last position. The tokens are
+               distributed exactly as ``ar`` sampling's.
+    clp, fixed, gate, prior-mtp
+               as at temp 0 with argmax replaced by a draw: the backbone's
+               token from p (head 0's distribution in prior-mtp), draft i
+               from q_i, and CLP / the gate / all k decide how many drafts are
+               committed, unchecked. These modes change the distribution
+               wherever the heads are wrong, at any temperature.
+
+Randomness comes from ``mx.random`` keys split inside the lazy graph: one
+evaluation per step, a seed fixes the tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +52,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from .backbone import embed, hidden_states, project
 from .errors import ClpError
 from .heads import MTPBundle
+from .sampling import Sampling, accept_drafts, draw, log_probs
 
 MODES = ("ar", "clp", "fixed", "gate", "prior-mtp", "verify")
 PREFILL_STEP = 2048  # as mlx-lm: long prompts are fed in chunks to bound memory
@@ -89,12 +112,20 @@ def decode(
     prompt_cache: list | None = None,
     stats: DecodeStats | None = None,
     gate_threshold: float = 0.5,
+    sampling: Sampling | None = None,
 ) -> Iterator[tuple[int, bool]]:
-    """Yield ``(token, from_draft)`` pairs, greedy, one backbone pass per step.
+    """Yield ``(token, from_draft)`` pairs, one backbone pass per step.
 
     ``from_draft`` is True for tokens a head wrote (checked or not, by mode).
-    The generator never prints; stop it early by closing it (EOS is the
-    caller's business, as in mlx-lm).
+    ``sampling``: None or temp 0 decodes greedily. The generator never
+    prints; stop it early by closing it (EOS is the caller's business, as in
+    mlx-lm).
+
+    The step after the tokens being yielded is already queued, so when the
+    caller stops, ``prompt_cache`` may hold tokens beyond those it received
+    (drafts, or committed tokens it did not take): its first ``n`` positions
+    hold the first ``n`` tokens of prompt + output, and a caller that keeps
+    the cache trims it to the tokens it keeps.
     """
     prompt = mx.array(prompt, dtype=mx.uint32) if not isinstance(prompt, mx.array) else prompt
     if prompt.ndim != 1 or prompt.size == 0:
@@ -114,21 +145,47 @@ def decode(
     stats = stats if stats is not None else DecodeStats(mode, k)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
 
+    greedy_path = sampling is None or sampling.greedy
+    choose = greedy if greedy_path else _Sampler(sampling)
+
     with mx.stream(_stream):
         last = prefill(model, prompt, cache)
         if mode == "ar":
-            yield from _ar(model, last, cache, max_tokens, stats)
-        elif mode == "verify":
+            yield from _ar(model, last, cache, max_tokens, stats, choose)
+        elif mode == "verify" and greedy_path:
             yield from _verify(model, heads, last, cache, max_tokens, n_draft, stats)
+        elif mode == "verify":
+            yield from _verify_sampled(
+                model, heads, last, cache, max_tokens, n_draft, stats, choose
+            )
         else:
             yield from _unchecked(
-                model, heads, last, cache, max_tokens, n_draft, mode, gate_threshold, stats
+                model, heads, last, cache, max_tokens, n_draft, mode, gate_threshold, stats, choose
             )
 
 
-def _ar(model, y, cache, max_tokens, stats) -> Iterator[tuple[int, bool]]:
+class _Sampler:
+    """Draws a token per row of logits, with a fresh key each call."""
+
+    def __init__(self, sampling: Sampling):
+        self.sampling = sampling
+        self._key = sampling.key()
+
+    def next_key(self) -> mx.array:
+        # Lazy: the split is part of the step's graph, not a host call.
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def log_probs(self, logits: mx.array) -> mx.array:
+        return log_probs(logits, self.sampling)
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        return draw(self.log_probs(logits), self.next_key())
+
+
+def _ar(model, y, cache, max_tokens, stats, choose) -> Iterator[tuple[int, bool]]:
     def step(tokens):
-        return greedy(project(model, hidden_states(model, tokens, cache)[-1:]))
+        return choose(project(model, hidden_states(model, tokens, cache)[-1:]))
 
     # As mlx-lm: queue step n+1 before handing out token n, so the host work
     # of the caller overlaps the next forward pass.
@@ -143,30 +200,31 @@ def _ar(model, y, cache, max_tokens, stats) -> Iterator[tuple[int, bool]]:
         y = nxt
 
 
-def _draft_tokens(model, heads, h, first_hidden):
+def _draft_tokens(model, heads, h, first_hidden, choose=greedy):
     """Tokens for ``first_hidden`` rows and each row of ``h``'s k drafts.
 
     Medusa-style heads do not depend on the backbone's token, so backbone and
     head rows share one pass over the output projection. Heads that take the
-    embedding of token t+1 must wait for it: two passes.
+    embedding of token t+1 must wait for it: two passes. ``choose`` turns
+    logits into tokens row by row (argmax, or one independent draw per row).
     """
     rows = first_hidden.shape[0]
     if not heads.uses_token_embedding:
         drafts_h = heads.draft_hidden(h).reshape(-1, h.shape[-1])
-        t = greedy(project(model, mx.concatenate([first_hidden, drafts_h])))
+        t = choose(project(model, mx.concatenate([first_hidden, drafts_h])))
         return t[:rows], t[rows:].reshape(h.shape[0], heads.k)
-    b = greedy(project(model, first_hidden))
+    b = choose(project(model, first_hidden))
     drafts_h = heads.draft_hidden(h, embed(model, b))
-    return b, greedy(project(model, drafts_h))
+    return b, choose(project(model, drafts_h))
 
 
-def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, stats):
+def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, stats, choose):
     """clp / fixed / gate / prior-mtp: commit drafts without checking them."""
 
     def step(tokens):
         h = hidden_states(model, tokens, cache)[-1:]  # only the last position drafts
         first = heads.head0(h) if mode == "prior-mtp" else h
-        b, d = _draft_tokens(model, heads, h, first)
+        b, d = _draft_tokens(model, heads, h, first, choose)
         if mode == "fixed":
             n = mx.array([n_draft])
         elif mode == "gate":
@@ -226,6 +284,48 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats):
             m_next = min(n_draft, max_tokens - produced - 1)
             fed = [b[a]] + drafts[:m_next]
             out = step(mx.array(fed, dtype=mx.uint32), m_next)
+            mx.async_eval(out)
+        for i, tok in enumerate(committed):
+            yield tok, i < a
+        if produced >= max_tokens:
+            return
+
+
+def _verify_sampled(model, heads, y, cache, max_tokens, n_draft, stats, sampler):
+    """Lossless sampling: speculative sampling of last step's drafts.
+
+    Same schedule as :func:`_verify`. Each step returns, besides the tokens,
+    the (k, V) distributions its drafts were drawn from; they stay on the
+    device and feed the next step's acceptance test.
+    """
+
+    def step(tokens, q_fed):
+        h = hidden_states(model, tokens, cache)  # (m+1, d)
+        p = sampler.log_probs(project(model, h))  # (m+1, V)
+        a, b = accept_drafts(p, q_fed, tokens[1:], sampler.next_key())
+        # Only the row after the last accepted token drafts: k projected
+        # rows, not (m+1)k, and Embed heads can see the token just drawn.
+        h_a = h[a][None]
+        tok_emb = embed(model, b[None]) if heads.uses_token_embedding else None
+        q = sampler.log_probs(project(model, heads.draft_hidden(h_a, tok_emb)[0]))  # (k, V)
+        d = draw(q, sampler.next_key())
+        return mx.concatenate([a[None].astype(mx.uint32), b[None], d]), q
+
+    produced = 0
+    fed = [None]
+    out, q = step(y, None)
+    while True:
+        host = out.tolist()
+        m = len(fed) - 1
+        a, b, drafts = host[0], host[1], host[2:]
+        committed = (fed[1 : 1 + a] + [b])[: max_tokens - produced]
+        trim_prompt_cache(cache, m - a)  # rejected drafts leave the cache
+        produced += len(committed)
+        stats.record(len(committed), len(committed) - 1)
+        if produced < max_tokens:
+            m_next = min(n_draft, max_tokens - produced - 1)
+            fed = [b] + drafts[:m_next]
+            out, q = step(mx.array(fed, dtype=mx.uint32), q[:m_next])
             mx.async_eval(out)
         for i, tok in enumerate(committed):
             yield tok, i < a

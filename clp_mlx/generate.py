@@ -13,6 +13,7 @@ from .api import load, print_stats, stream_generate
 from .cli import run
 from .decode import MODES
 from .errors import ClpError
+from .sampling import Sampling
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -41,10 +42,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="drafts per step (default: all the heads' k)",
     )
-    p.add_argument(
-        "--temp", type=float, default=0.0, help="sampling temperature (only 0, greedy, for now)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed for --heads init")
+    add_sampling_args(p)
     p.add_argument("--system-prompt", default=None, help="system message; implies --chat-template")
     p.add_argument(
         "--chat-template",
@@ -59,6 +57,22 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--verbose", action="store_true", help="print statistics after the text")
     return p
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """--temp, --top-p, --top-k, --seed: shared with the chat."""
+    p.add_argument(
+        "--temp",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default: 0). verify mode samples exactly "
+        "from the backbone's distribution",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k likeliest tokens (default: 0, all)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed, for sampling and --heads init")
 
 
 def _prompt_tokens(args, tokenizer):
@@ -76,8 +90,7 @@ def _prompt_tokens(args, tokenizer):
 
 def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
-    if args.temp != 0:
-        raise ClpError("only greedy decoding (--temp 0) is supported so far")
+    Sampling(args.temp, args.top_p, args.top_k)  # bad values fail before the model loads
     if args.max_tokens < 1:
         raise ClpError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
@@ -101,6 +114,10 @@ def main(argv=None) -> int:
         mode=args.mode,
         max_tokens=args.max_tokens,
         num_draft_tokens=args.num_draft_tokens,
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
     ):
         print(last.text, end="", flush=True)
     print()
