@@ -71,7 +71,7 @@ def test_not_a_heads_folder(tmp_path, model):
         (["--model", "/no/such/folder", "-p", "hi"], "/no/such/folder"),
         (["-p", "hi", "-m", "0"], "--max-tokens"),
         (["-p", "hi", "--num-draft-tokens", "0"], "--num-draft-tokens"),
-        (["-p", "hi", "--temp", "0.7"], "greedy"),
+        (["-p", "hi", "--temp", "-1"], "greedy"),
         (["-m", "5"], "no prompt"),
     ],
 )
