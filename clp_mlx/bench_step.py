@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from . import backbone
 from .cli import run
-from .decode import _draft_tokens, greedy
+from .decode import greedy, unchecked_step, verify_step
 
 
 def _timed(fn, cache, tokens) -> float:
@@ -42,19 +42,14 @@ def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
         return greedy(backbone.project(model, backbone.hidden_states(model, tokens, cache)))
 
     def clp_step(tokens):
-        h = backbone.hidden_states(model, tokens, cache)[-1:]
-        b, d = _draft_tokens(model, heads, h, h)
-        return mx.concatenate([b, d[0], heads.clp_length(h)])
+        return unchecked_step(model, heads, tokens, cache, "clp", k)
 
-    def verify_step(tokens):
-        h = backbone.hidden_states(model, tokens, cache)
-        b, d = _draft_tokens(model, heads, h, h)
-        a = mx.sum(mx.cumprod((tokens[1:] == b[:-1]).astype(mx.int32)))
-        return mx.concatenate([b, a[None].astype(b.dtype), d[a]])
+    def verify(tokens):
+        return verify_step(model, heads, tokens, cache, tokens.size - 1)
 
     configs = {f"backbone x{n}": (plain, n) for n in range(1, k + 2)}
     configs["clp step (1 fed)"] = (clp_step, 1)
-    configs[f"verify step ({k + 1} fed)"] = (verify_step, k + 1)
+    configs[f"verify step ({k + 1} fed)"] = (verify, k + 1)
     times = {name: [] for name in configs}
     for r in range(repeats + 2):  # two warm-up rounds
         for name, (fn, n) in configs.items():

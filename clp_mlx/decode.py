@@ -200,38 +200,40 @@ def _ar(model, y, cache, max_tokens, stats, choose) -> Iterator[tuple[int, bool]
         y = nxt
 
 
-def _draft_tokens(model, heads, h, first_hidden, choose=greedy):
-    """Tokens for ``first_hidden`` rows and each row of ``h``'s k drafts.
+def _draft_tokens(model, heads, h, b, choose=greedy):
+    """The heads' drafts (rows, k) from hidden states ``h`` and backbone tokens ``b``.
 
-    Medusa-style heads do not depend on the backbone's token, so backbone and
-    head rows share one pass over the output projection. Heads that take the
-    embedding of token t+1 must wait for it: two passes. ``choose`` turns
-    logits into tokens row by row (argmax, or one independent draw per row).
+    Greedy drafts go through the heads' draft vocabulary when they have one
+    (a slice of the output projection); sampled drafts need the full
+    distribution q, which verification compares with the backbone's p.
     """
-    rows = first_hidden.shape[0]
-    if not heads.uses_token_embedding:
-        drafts_h = heads.draft_hidden(h).reshape(-1, h.shape[-1])
-        t = choose(project(model, mx.concatenate([first_hidden, drafts_h])))
-        return t[:rows], t[rows:].reshape(h.shape[0], heads.k)
-    b = choose(project(model, first_hidden))
-    drafts_h = heads.draft_hidden(h, embed(model, b))
-    return b, choose(project(model, drafts_h))
+    emb = embed(model, b) if heads.uses_token_embedding else None
+    drafts_h = heads.draft_hidden(h, emb)
+    if choose is greedy:
+        return heads.draft_ids(model, drafts_h)
+    return choose(project(model, drafts_h))
+
+
+def unchecked_step(model, heads, tokens, cache, mode, n_draft, threshold=0.5, choose=greedy):
+    """One clp / fixed / gate / prior-mtp step: [b, k drafts, n to commit]."""
+    h = hidden_states(model, tokens, cache)[-1:]  # only the last position drafts
+    first = heads.head0(h) if mode == "prior-mtp" else h
+    b = choose(project(model, first))
+    d = _draft_tokens(model, heads, h, b, choose)
+    if mode == "fixed":
+        n = mx.array([n_draft])
+    elif mode == "gate":
+        n = mx.minimum(heads.gate_length(h, threshold), n_draft)
+    else:  # clp, prior-mtp
+        n = mx.minimum(heads.clp_length(h), n_draft)
+    return mx.concatenate([b, d[0], n.astype(b.dtype)])
 
 
 def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, stats, choose):
     """clp / fixed / gate / prior-mtp: commit drafts without checking them."""
 
     def step(tokens):
-        h = hidden_states(model, tokens, cache)[-1:]  # only the last position drafts
-        first = heads.head0(h) if mode == "prior-mtp" else h
-        b, d = _draft_tokens(model, heads, h, first, choose)
-        if mode == "fixed":
-            n = mx.array([n_draft])
-        elif mode == "gate":
-            n = mx.minimum(heads.gate_length(h, threshold), n_draft)
-        else:  # clp, prior-mtp
-            n = mx.minimum(heads.clp_length(h), n_draft)
-        return mx.concatenate([b, d[0], n.astype(b.dtype)])
+        return unchecked_step(model, heads, tokens, cache, mode, n_draft, threshold, choose)
 
     produced = 0
     out = step(y)
@@ -252,20 +254,27 @@ def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, sta
             return
 
 
+def verify_step(model, heads, tokens, cache, m: int):
+    """One greedy verify step over ``tokens`` = [t, m drafts]: [b (m+1), a, k drafts]."""
+    h = hidden_states(model, tokens, cache)  # (m+1, d)
+    b = greedy(project(model, h))  # the backbone's choice after each position
+    if m:
+        # Draft j is right if it equals the backbone's choice at the
+        # position before it; accept the longest right prefix.
+        ok = (tokens[1:] == b[:-1]).astype(mx.int32)
+        a = mx.sum(mx.cumprod(ok))
+    else:
+        a = mx.array(0)
+    # Only the last accepted position drafts the next step.
+    d = _draft_tokens(model, heads, h[a][None], b[a][None])[0]
+    return mx.concatenate([b, a[None].astype(b.dtype), d])
+
+
 def _verify(model, heads, y, cache, max_tokens, n_draft, stats):
     """Lossless: check last step's drafts in the pass that feeds them."""
 
     def step(tokens, m):
-        h = hidden_states(model, tokens, cache)  # (m+1, d)
-        b, d = _draft_tokens(model, heads, h, h)  # b: (m+1,), d: (m+1, k)
-        if m:
-            # Draft j is right if it equals the backbone's choice at the
-            # position before it; accept the longest right prefix.
-            ok = (tokens[1:] == b[:-1]).astype(mx.int32)
-            a = mx.sum(mx.cumprod(ok))
-        else:
-            a = mx.array(0)
-        return mx.concatenate([b, a[None].astype(b.dtype), d[a]])
+        return verify_step(model, heads, tokens, cache, m)
 
     produced = 0
     fed = [None]  # what the pending pass feeds: token t, then its drafts

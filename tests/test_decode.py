@@ -244,3 +244,17 @@ def test_bad_input_gives_clear_errors(model, kw, message):
 def test_k_below_one_is_refused(model):
     with pytest.raises(ClpError, match="at least 1"):
         init_heads(model, 0)
+
+
+def test_draft_vocabulary_keeps_verify_exact_and_limits_drafts(model):
+    heads = random_heads(model, 3, seed=8, scale=0.3)
+    heads.set_draft_vocab(list(range(0, 128, 3)))
+    prompt = prompt_of(5, 13)
+    ar = run(prompt, model, mode="ar", max_tokens=30)
+    assert run(prompt, model, heads, mode="verify", max_tokens=30) == ar
+    drafted = [
+        t
+        for t, from_draft in decode(prompt, model, heads, mode="fixed", max_tokens=30)
+        if from_draft
+    ]
+    assert drafted and all(t % 3 == 0 for t in drafted)

@@ -138,3 +138,11 @@ def _write_byte_tokenizer(folder):
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
     )
+
+
+def test_draft_vocabulary_is_saved_with_the_heads(tmp_path, model):
+    heads = init_heads(model, 2)
+    heads.set_draft_vocab([1, 5, 9])
+    save_heads(heads, tmp_path / "h")
+    again = load_heads(tmp_path / "h", model)
+    assert again.draft_vocab.tolist() == [1, 5, 9] and again.config.draft_vocab == 3
