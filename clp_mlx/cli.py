@@ -8,14 +8,18 @@ from typing import Callable
 from .errors import ClpError
 
 
-def run(main: Callable[[], int | None]) -> None:
-    """Run ``main``; a user error prints one line and exits 1, Ctrl-C exits 130."""
+def guarded(main: Callable[[], int | None]) -> int:
+    """Run ``main``; a user error prints one line and gives 1, Ctrl-C gives 130."""
     try:
-        code = main()
+        return main() or 0
     except ClpError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(code or 0)
+        return 130
+
+
+def run(main: Callable[[], int | None]) -> None:
+    """Run a command's ``main`` and exit with its status (see :func:`guarded`)."""
+    sys.exit(guarded(main))

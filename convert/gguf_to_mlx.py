@@ -15,7 +15,7 @@ from pathlib import Path
 # Let the script run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clp_mlx.errors import ClpError
+from clp_mlx.cli import guarded
 from clp_mlx.gguf_convert import DTYPES, Q_BITS, Q_GROUP_SIZES, convert_gguf
 
 
@@ -59,7 +59,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the converter; returns the process exit status."""
     args = setup_arg_parser().parse_args(argv)
-    try:
+
+    def convert() -> None:
         out = convert_gguf(
             args.gguf,
             args.out,
@@ -69,14 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             force=args.force,
             progress=not args.no_progress,
         )
-    except ClpError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    print(f"wrote {out}")
-    return 0
+        print(f"wrote {out}")
+
+    return guarded(convert)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 # Let the script run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clp_mlx.errors import ClpError  # noqa: E402
+from clp_mlx.cli import guarded  # noqa: E402
 from clp_mlx.torch_heads import convert_torch_heads  # noqa: E402
 
 
@@ -47,7 +47,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the converter; returns the process exit status."""
     args = setup_arg_parser().parse_args(argv)
-    try:
+
+    def convert() -> None:
         out = convert_torch_heads(
             args.checkpoint,
             args.model,
@@ -55,14 +56,9 @@ def main(argv: list[str] | None = None) -> int:
             force=args.force,
             drop_head_projections=args.drop_head_projections,
         )
-    except ClpError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    print(f"wrote {out}")
-    return 0
+        print(f"wrote {out}")
+
+    return guarded(convert)
 
 
 if __name__ == "__main__":
