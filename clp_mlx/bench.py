@@ -131,6 +131,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if bool(args.wikitext) == bool(args.prompts):
         raise ClpError("give exactly one of --wikitext FILE or --prompts FILE")
+    source = args.wikitext or args.prompts
+    if not Path(source).is_file():
+        raise ClpError(f"prompt file {source} does not exist")
     if args.wikitext:
         prompts = wikitext_prompts(args.wikitext, args.num_prompts)
     else:

@@ -1,8 +1,10 @@
 """The benchmark's prompt rule and metrics (numbers are not asserted, only meaning)."""
 
+import pytest
 from conftest import FakeTokenizer, random_heads
 
-from clp_mlx.bench import bench, repetition_ratio, wikitext_prompts
+from clp_mlx.bench import bench, main, repetition_ratio, wikitext_prompts
+from clp_mlx.errors import ClpError
 
 ARTICLES = """ = First article =
 
@@ -42,3 +44,10 @@ def test_verify_rows_are_identical_to_ar(model):
     )
     assert table["verify"]["identical_to_ar"] == 1.0 and table["ar"]["speedup"] == 1.0
     assert table["fixed"]["tokens_per_pass"] == 3.0  # 12 tokens, 3 per pass
+
+
+def test_bad_prompt_files_are_clear_errors(tmp_path):
+    with pytest.raises(ClpError, match="does not exist"):
+        main(["--wikitext", str(tmp_path / "missing.raw")])
+    with pytest.raises(ClpError, match="exactly one"):
+        main([])
