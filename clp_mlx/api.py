@@ -103,8 +103,12 @@ def stream_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
+    feed: str = "all",
 ):
     """Yield a :class:`Response` per token; the last one has a finish reason.
+
+    ``feed="clp"`` (greedy verify) feeds only the drafts CLP expects to be
+    accepted: same output, cheaper steps when acceptance is rare.
 
     ``temp`` 0 is greedy; above 0, tokens are sampled (``top_p``/``top_k``
     as in mlx-lm; ``seed`` None follows ``mx.random.seed``). ``verify``
@@ -129,6 +133,7 @@ def stream_generate(
         prompt_cache=prompt_cache,
         stats=stats,
         sampling=sampling,
+        feed=feed,
     )
     tic = time.perf_counter()
     prompt_tps = 0.0

@@ -46,9 +46,12 @@ def repetition_ratio(tokens: list[int]) -> float:
 
 
 def run_one(model, heads, ids, mode, max_tokens, k):
+    """One generation; mode "verify-clp" is verify feeding only CLP's count."""
     stats = DecodeStats(mode, k if mode != "ar" else 0)
     tic = time.perf_counter()
-    gen = decode(ids, model, heads, mode=mode, max_tokens=max_tokens, stats=stats)
+    feed = "clp" if mode == "verify-clp" else "all"
+    kind = "verify" if mode == "verify-clp" else mode
+    gen = decode(ids, model, heads, mode=kind, max_tokens=max_tokens, stats=stats, feed=feed)
     first = next(gen)
     t_first = time.perf_counter()
     out = [first[0]] + [t for t, _ in gen]
@@ -125,7 +128,12 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=15)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", "-m", type=int, default=64)
-    p.add_argument("--modes", nargs="+", choices=MODES, default=["ar", "verify", "clp", "fixed"])
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=[*MODES, "verify-clp"],
+        default=["ar", "verify", "clp", "fixed"],
+    )
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", help="write every number here")
     args = p.parse_args(argv)

@@ -113,10 +113,14 @@ def decode(
     stats: DecodeStats | None = None,
     gate_threshold: float = 0.5,
     sampling: Sampling | None = None,
+    feed: str = "all",
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` pairs, one backbone pass per step.
 
     ``from_draft`` is True for tokens a head wrote (checked or not, by mode).
+    ``feed`` (greedy verify): "all" feeds every draft with the next pass;
+    "clp" feeds only as many as CLP predicts will be accepted, so a step that
+    expects no acceptance costs a plain one-token pass. The output is the same.
     ``sampling``: None or temp 0 decodes greedily. The generator never
     prints; stop it early by closing it (EOS is the caller's business, as in
     mlx-lm).
@@ -136,6 +140,8 @@ def decode(
         raise ClpError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if mode != "ar" and heads is None:
         raise ClpError(f"mode {mode!r} needs heads (pass --heads, or --heads init)")
+    if feed not in ("all", "clp"):
+        raise ClpError(f"feed must be 'all' or 'clp', got {feed!r}")
     if mode == "prior-mtp" and "head0" not in heads:
         raise ClpError("mode 'prior-mtp' needs heads with a head 0")
     k = heads.k if heads is not None and mode != "ar" else 0
@@ -153,7 +159,7 @@ def decode(
         if mode == "ar":
             yield from _ar(model, last, cache, max_tokens, stats, choose)
         elif mode == "verify" and greedy_path:
-            yield from _verify(model, heads, last, cache, max_tokens, n_draft, stats)
+            yield from _verify(model, heads, last, cache, max_tokens, n_draft, stats, feed)
         elif mode == "verify":
             yield from _verify_sampled(
                 model, heads, last, cache, max_tokens, n_draft, stats, choose
@@ -255,7 +261,7 @@ def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, sta
 
 
 def verify_step(model, heads, tokens, cache, m: int):
-    """One greedy verify step over ``tokens`` = [t, m drafts]: [b (m+1), a, k drafts]."""
+    """One greedy verify step over ``tokens`` = [t, m drafts]: [b (m+1), a, k drafts, CLP's n]."""
     h = hidden_states(model, tokens, cache)  # (m+1, d)
     b = greedy(project(model, h))  # the backbone's choice after each position
     if m:
@@ -265,12 +271,14 @@ def verify_step(model, heads, tokens, cache, m: int):
         a = mx.sum(mx.cumprod(ok))
     else:
         a = mx.array(0)
-    # Only the last accepted position drafts the next step.
+    # Only the last accepted position drafts the next step; CLP says there
+    # how many of its drafts are worth feeding.
     d = _draft_tokens(model, heads, h[a][None], b[a][None])[0]
-    return mx.concatenate([b, a[None].astype(b.dtype), d])
+    n = heads.clp_length(h[a])
+    return mx.concatenate([b, a[None].astype(b.dtype), d, n[None].astype(b.dtype)])
 
 
-def _verify(model, heads, y, cache, max_tokens, n_draft, stats):
+def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all"):
     """Lossless: check last step's drafts in the pass that feeds them."""
 
     def step(tokens, m):
@@ -282,7 +290,7 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats):
     while True:
         host = out.tolist()
         m = len(fed) - 1
-        b, a, drafts = host[: m + 1], host[m + 1], host[m + 2 :]
+        b, a, drafts, n_clp = host[: m + 1], host[m + 1], host[m + 2 : -1], host[-1]
         committed = fed[1 : 1 + a] + [b[a]]
         committed = committed[: max_tokens - produced]
         trim_prompt_cache(cache, m - a)  # rejected drafts leave the cache
@@ -291,6 +299,8 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats):
         if produced < max_tokens:
             # Never draft past max_tokens: the extra positions would be wasted.
             m_next = min(n_draft, max_tokens - produced - 1)
+            if feed == "clp":
+                m_next = min(m_next, n_clp)
             fed = [b[a]] + drafts[:m_next]
             out = step(mx.array(fed, dtype=mx.uint32), m_next)
             mx.async_eval(out)
@@ -333,6 +343,8 @@ def _verify_sampled(model, heads, y, cache, max_tokens, n_draft, stats, sampler)
         stats.record(len(committed), len(committed) - 1)
         if produced < max_tokens:
             m_next = min(n_draft, max_tokens - produced - 1)
+            if feed == "clp":
+                m_next = min(m_next, n_clp)
             fed = [b] + drafts[:m_next]
             out, q = step(mx.array(fed, dtype=mx.uint32), q[:m_next])
             mx.async_eval(out)

@@ -42,6 +42,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="drafts per step (default: all the heads' k)",
     )
+    p.add_argument(
+        "--verify-feed",
+        choices=("all", "clp"),
+        default="all",
+        help="verify: feed every draft, or only as many as CLP expects to be accepted",
+    )
     add_sampling_args(p)
     p.add_argument("--system-prompt", default=None, help="system message; implies --chat-template")
     p.add_argument(
@@ -118,6 +124,7 @@ def main(argv=None) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        feed=args.verify_feed,
     ):
         print(last.text, end="", flush=True)
     print()

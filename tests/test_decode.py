@@ -258,3 +258,18 @@ def test_draft_vocabulary_keeps_verify_exact_and_limits_drafts(model):
         if from_draft
     ]
     assert drafted and all(t % 3 == 0 for t in drafted)
+
+
+def test_verify_feeding_only_what_clp_expects_is_still_exact():
+    k = 3
+    model = orthonormal_output(tiny_model(3, vocab=48, tied=False))
+    prompt = prompt_of(4, 21, vocab=48)
+    ar = run(prompt, model, mode="ar", max_tokens=40)
+    heads = NoisyOracle(init_heads(model, k).config)
+    heads.setup(model, prompt, ar, p_wrong=0.25, seed=3)
+    fed_all, fed_clp = DecodeStats("verify", k), DecodeStats("verify", k)
+    assert run(prompt, model, heads, mode="verify", max_tokens=40, stats=fed_all) == ar
+    heads.clp.weight = mx.zeros_like(heads.clp.weight)
+    heads.clp.bias = mx.array([0.0, 0.0, 3.0, 0.0])  # CLP: "2 drafts will pass"
+    assert run(prompt, model, heads, mode="verify", max_tokens=40, stats=fed_clp, feed="clp") == ar
+    assert fed_clp.accepted[3] == 0 < fed_all.accepted[3]  # never fed a third draft
