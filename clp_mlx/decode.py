@@ -343,8 +343,6 @@ def _verify_sampled(model, heads, y, cache, max_tokens, n_draft, stats, sampler)
         stats.record(len(committed), len(committed) - 1)
         if produced < max_tokens:
             m_next = min(n_draft, max_tokens - produced - 1)
-            if feed == "clp":
-                m_next = min(m_next, n_clp)
             fed = [b] + drafts[:m_next]
             out, q = step(mx.array(fed, dtype=mx.uint32), q[:m_next])
             mx.async_eval(out)
