@@ -4,7 +4,8 @@ A step feeds the tokens not yet in the KV cache, and from the hidden states
 it gets, in one lazy graph evaluated once:
 
 - the backbone's token t+1 (always the backbone's, Backbone-as-Architect),
-- k drafts for t+2..t+1+k from the heads, through the shared output projection,
+- k drafts for t+2..t+1+k from the heads, through the shared output projection
+  (or the slice of it that the heads' draft vocabulary keeps),
 - how many drafts to commit: CLP, the gate, all of them, or (verify) the
   longest prefix of the previous step's drafts that the backbone agrees with.
 
@@ -17,6 +18,8 @@ Modes:
                paper diagnoses), plus the drafts CLP accepts.
     verify     lossless: drafts are fed with the next pass and each is checked
                against the backbone's prediction at the position before it.
+               With ``feed="clp"`` (greedy only) a step feeds just the drafts
+               CLP expects to pass.
 
 Sampling (``temp > 0``; ``temp == 0`` is the greedy path above, unchanged).
 p is the backbone's distribution and q_i head i's, both through the same
