@@ -7,7 +7,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import random_heads, tiny_model
+from conftest import random_heads, tiny_model, write_model_folder
 
 from clp_mlx.decode import decode
 from clp_mlx.errors import ClpError
@@ -92,52 +92,12 @@ def test_cli_exits_non_zero_without_traceback():
 
 
 def test_cli_generates_with_init_heads_from_a_model_folder(tmp_path, capsys):
-    from mlx_lm.utils import save_model
-
-    model = tiny_model(0)
-    folder = tmp_path / "tiny"
-    save_model(folder, model)
-    config = dict(model.args.__dict__)
-    (folder / "config.json").write_text(json.dumps(config))
-    _write_byte_tokenizer(folder)
+    folder = write_model_folder(tmp_path / "tiny", tiny_model(0))
     for mode in ("ar", "verify"):
-        assert (
-            main(
-                [
-                    "--model",
-                    str(folder),
-                    "--heads",
-                    "init",
-                    "--mode",
-                    mode,
-                    "-p",
-                    "ab",
-                    "-m",
-                    "8",
-                    "--verbose",
-                ]
-            )
-            == 0
-        )
+        argv = ["--model", str(folder), "--heads", "init", "--mode", mode, "-p", "ab", "-m", "8"]
+        assert main([*argv, "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "tokens per step" in out and "Mode: verify, k=3" in out
-
-
-def _write_byte_tokenizer(folder):
-    """A 128-token byte-level tokenizer, enough for mlx_lm.load."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = ByteLevel.alphabet()[:127]
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    vocab["<|endoftext|>"] = 127
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
-    )
 
 
 def test_draft_vocabulary_is_saved_with_the_heads(tmp_path, model):
