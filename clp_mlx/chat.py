@@ -32,8 +32,7 @@ from .api import Response, load, stream_generate
 from .cli import run
 from .decode import MODES
 from .errors import ClpError
-from .generate import add_sampling_args
-from .sampling import Sampling
+from .generate import add_sampling_args, check_decode_args
 
 HELP = f"""commands:
   q, /quit       leave (Ctrl-D too)
@@ -255,9 +254,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
-    Sampling(args.temp, args.top_p, args.top_k)  # bad values fail before the model loads
-    if args.max_tokens < 1:
-        raise ClpError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    check_decode_args(args)
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise ClpError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
     mx.random.seed(args.seed)  # each answer draws its sampling key from here

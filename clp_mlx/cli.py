@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 from .errors import ClpError
 
@@ -23,3 +24,39 @@ def guarded(main: Callable[[], int | None]) -> int:
 def run(main: Callable[[], int | None]) -> None:
     """Run a command's ``main`` and exit with its status (see :func:`guarded`)."""
     sys.exit(guarded(main))
+
+
+def add_model_output_args(
+    parser: argparse.ArgumentParser,
+    dtypes: Sequence[str],
+    q_bits: Sequence[int],
+    group_sizes: Sequence[int],
+) -> None:
+    """-o/--out, --dtype, -q/--q-bits, --q-group-size, --force: what model converters share."""
+    parser.add_argument(
+        "-o", "--out", required=True, help="output folder (must not exist unless --force)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(dtypes),
+        default="float16",
+        help="dtype of the written weights (default: float16)",
+    )
+    parser.add_argument(
+        "-q",
+        "--q-bits",
+        type=int,
+        choices=q_bits,
+        default=None,
+        help="quantize with MLX to this many bits",
+    )
+    parser.add_argument(
+        "--q-group-size",
+        type=int,
+        choices=group_sizes,
+        default=64,
+        help="MLX quantization group size (default: 64)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="replace the output folder if it exists"
+    )

@@ -65,6 +65,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_decode_args(args: argparse.Namespace) -> None:
+    """Bad sampling, --max-tokens or --num-draft-tokens fail before the model loads."""
+    Sampling(args.temp, args.top_p, args.top_k)
+    if args.max_tokens < 1:
+        raise ClpError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        raise ClpError(f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """--temp, --top-p, --top-k, --seed: shared with the chat."""
     p.add_argument(
@@ -96,11 +105,7 @@ def _prompt_tokens(args, tokenizer):
 
 def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
-    Sampling(args.temp, args.top_p, args.top_k)  # bad values fail before the model loads
-    if args.max_tokens < 1:
-        raise ClpError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
-        raise ClpError(f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}")
+    check_decode_args(args)
     if args.prompt is None:
         raise ClpError("no prompt: pass --prompt/-p TEXT (or '-' to read stdin)")
     model, tokenizer, heads = load(

@@ -15,7 +15,7 @@ from pathlib import Path
 # Let the script run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clp_mlx.cli import guarded
+from clp_mlx.cli import add_model_output_args, guarded
 from clp_mlx.gguf_convert import DTYPES, Q_BITS, Q_GROUP_SIZES, convert_gguf
 
 
@@ -25,33 +25,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Convert a Qwen2 GGUF file into an MLX model folder (config, safetensors, tokenizer)."
     )
     parser.add_argument("gguf", help="path to the .gguf file")
-    parser.add_argument(
-        "-o", "--out", required=True, help="output folder (must not exist unless --force)"
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        default="float16",
-        help="dtype of the written weights (default: float16)",
-    )
-    parser.add_argument(
-        "-q",
-        "--q-bits",
-        type=int,
-        choices=Q_BITS,
-        default=None,
-        help="re-quantize with MLX to this many bits",
-    )
-    parser.add_argument(
-        "--q-group-size",
-        type=int,
-        choices=Q_GROUP_SIZES,
-        default=64,
-        help="MLX quantization group size (default: 64)",
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="replace the output folder if it exists"
-    )
+    add_model_output_args(parser, DTYPES, Q_BITS, Q_GROUP_SIZES)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 

@@ -17,7 +17,7 @@ from pathlib import Path
 # Let the script run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clp_mlx.cli import guarded  # noqa: E402
+from clp_mlx.cli import add_model_output_args, guarded  # noqa: E402
 from clp_mlx.hf_convert import DTYPES, Q_BITS, Q_GROUP_SIZES, convert_hf  # noqa: E402
 
 
@@ -27,33 +27,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Convert a Hugging Face Qwen2 folder into an MLX model folder (config, safetensors, tokenizer)."
     )
     parser.add_argument("src", help="Hugging Face model folder (config.json, tokenizer, weights)")
-    parser.add_argument(
-        "-o", "--out", required=True, help="output folder (must not exist unless --force)"
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        default="float16",
-        help="dtype of the written weights (default: float16)",
-    )
-    parser.add_argument(
-        "-q",
-        "--q-bits",
-        type=int,
-        choices=Q_BITS,
-        default=None,
-        help="quantize with MLX to this many bits",
-    )
-    parser.add_argument(
-        "--q-group-size",
-        type=int,
-        choices=Q_GROUP_SIZES,
-        default=64,
-        help="MLX quantization group size (default: 64)",
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="replace the output folder if it exists"
-    )
+    add_model_output_args(parser, DTYPES, Q_BITS, Q_GROUP_SIZES)
     return parser
 
 
