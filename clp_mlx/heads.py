@@ -25,6 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from . import backbone
 from .errors import ClpError
@@ -174,13 +175,7 @@ class MTPBundle(nn.Module):
         return mx.sum(mx.cumprod(ok.astype(mx.int32), axis=-1), axis=-1)
 
     def clp_param_count(self) -> int:
-        return sum(p.size for _, p in _flat(self.clp.parameters()))
-
-
-def _flat(tree, prefix=""):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(tree, prefix=prefix)
+        return sum(p.size for _, p in tree_flatten(self.clp.parameters()))
 
 
 def init_heads(
@@ -251,7 +246,7 @@ def save_heads(
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
     try:
-        weights = dict(_flat(bundle.parameters()))
+        weights = dict(tree_flatten(bundle.parameters()))
         mx.save_safetensors(str(tmp / "heads.safetensors"), weights)
         meta = asdict(bundle.config)
         if extra:
@@ -314,7 +309,7 @@ def bundle_from_arrays(
     if gate_w is not None:
         bundle.config.gate_hidden = int(gate_w.shape[0])
         bundle.gate = Gate(bundle.config.hidden_size, bundle.k, bundle.config.gate_hidden)
-    expected = dict(_flat(bundle.parameters()))
+    expected = dict(tree_flatten(bundle.parameters()))
     unknown = sorted(set(arrays) - set(expected))
     if unknown:
         raise ClpError(f"unknown head weights: {', '.join(unknown)}")
