@@ -56,12 +56,7 @@ def extract(
 
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"shape": list(tokens.shape), "signature": backbone.signature(model)["fingerprint"]}
-    meta_path = folder / "features.json"
-    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
-        raise ClpError(
-            f"{folder} holds features of other text or another backbone; use a new folder"
-        )
-    meta_path.write_text(json.dumps(meta))
+    _check_meta(folder, meta)
     np.save(folder / "tokens.npy", tokens)
     chunks = range(0, tokens.shape[0], CHUNK_SEQS)
     for start in tqdm(chunks, desc="backbone features", unit="chunk", disable=not progress):
@@ -76,23 +71,89 @@ def extract(
             mx.eval(h, g)
             hs.append(np.array(h.astype(mx.float16)))
             bs.append(np.array(g.astype(mx.int32)))
-        tmp = target.with_suffix(".tmp.npz")
-        np.savez(tmp, hidden=np.concatenate(hs), greedy=np.concatenate(bs))
-        os.replace(tmp, target)
+        _save_chunk(target, np.concatenate(hs), np.concatenate(bs))
     return folder
 
 
-def load_features(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, hidden fp16, greedy) for every sequence, as (n, L[, d]) arrays."""
+def continue_greedily(
+    model, prompts: np.ndarray, folder: Path, *, new_tokens: int, batch: int = 64,
+    progress: bool = True,
+) -> Path:
+    """Features of the backbone's own greedy continuations of ``prompts``.
+
+    At decode time a head sees the backbone's own text, where token t+1 *is*
+    the backbone's greedy choice. On human text it is not (the 0.5B's greedy
+    token matches WikiText's next token ~40% of the time), so a teacher-forced
+    label b_{t+2} is conditioned on a token the head never sees. Continuing
+    each prompt greedily gives rows where the text and the backbone agree at
+    every generated position: the labels are exactly what greedy decoding
+    (and so verify) will produce. The prompts are fed together as one batch of
+    equal-length rows; rows of a batch are written as one resumable chunk.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+    from tqdm import tqdm
+
+    n, p_len = prompts.shape
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "shape": [n, p_len + new_tokens],
+        "start": p_len - 1,  # first position whose futures are all generated
+        "signature": backbone.signature(model)["fingerprint"],
+    }
+    _check_meta(folder, meta)
+    tokens_path = folder / "tokens.npy"
+    tokens = np.load(tokens_path) if tokens_path.exists() else np.zeros(meta["shape"], np.int32)
+    tokens[:, :p_len] = prompts
+    for start in tqdm(range(0, n, batch), desc="greedy continuations", unit="batch",
+                      disable=not progress):
+        target = folder / f"chunk{start:06d}.npz"
+        if target.exists():
+            continue
+        rows = mx.array(prompts[start : start + batch])
+        cache = make_prompt_cache(model)
+        h = model.model(rows, cache=cache)
+        hs, gs = [h], [greedy(backbone.project(model, h))]
+        for _ in range(new_tokens):  # the last pass: the last token's hidden state
+            h = model.model(gs[-1][:, -1:], cache=cache)
+            hs.append(h)
+            gs.append(greedy(backbone.project(model, h)))
+            mx.eval(gs[-1])
+        h, g = mx.concatenate(hs, axis=1), mx.concatenate(gs, axis=1)
+        mx.eval(h, g)
+        g = np.array(g.astype(mx.int32))
+        tokens[start : start + batch, p_len:] = g[:, p_len - 1 : -1]
+        np.save(folder / "tokens.tmp.npy", tokens)  # before the chunk: a chunk on disk
+        os.replace(folder / "tokens.tmp.npy", tokens_path)  # always has its tokens
+        _save_chunk(target, np.array(h.astype(mx.float16)), g)
+    return folder
+
+
+def _check_meta(folder: Path, meta: dict) -> None:
+    meta_path = folder / "features.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+        raise ClpError(
+            f"{folder} holds features of other text or another backbone; use a new folder"
+        )
+    meta_path.write_text(json.dumps(meta))
+
+
+def _save_chunk(target: Path, hidden: np.ndarray, greedy_ids: np.ndarray) -> None:
+    tmp = target.with_suffix(".tmp.npz")
+    np.savez(tmp, hidden=hidden, greedy=greedy_ids)
+    os.replace(tmp, target)
+
+
+def load_features(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(tokens, hidden fp16, greedy) for every sequence, as (n, L[, d]) arrays,
+    and the first position worth training on (0, or the end of the prompt)."""
     meta_path = folder / "features.json"
     if not meta_path.exists():
         raise ClpError(f"{folder} holds no features (features.json is missing)")
     tokens = np.load(folder / "tokens.npy")
     files = sorted(folder.glob("chunk*.npz"))
-    files = [f for f in files if not f.name.endswith(".tmp.npz")]
-    if len(files) * CHUNK_SEQS < tokens.shape[0]:
+    parts = [np.load(f) for f in files if not f.name.endswith(".tmp.npz")]
+    if sum(p["greedy"].shape[0] for p in parts) < tokens.shape[0]:
         raise ClpError(f"{folder}: feature extraction is incomplete; run it again to resume")
-    parts = [np.load(f) for f in files]
     hidden = np.concatenate([p["hidden"] for p in parts])
     greedy_ids = np.concatenate([p["greedy"] for p in parts])
-    return tokens, hidden, greedy_ids
+    return tokens, hidden, greedy_ids, json.loads(meta_path.read_text()).get("start", 0)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .cli import run
 from .errors import ClpError
-from .features import extract, load_features, tokenize_files
+from .features import continue_greedily, extract, load_features, tokenize_files
 from .heads import DESIGNS, init_heads, load_heads, save_heads
 from .trainer import (
     HeadTrainer,
@@ -118,10 +118,24 @@ def evaluate(model, bundle, data: Positions, seed: int = 0, n: int = SMALL_SAMPL
     }
 
 
-def features_for(model, tokenizer, args, folder: Path) -> Positions:
-    tokens = tokenize_files(tokenizer, args.data, seq_len=args.seq_len, max_tokens=args.max_tokens)
-    extract(model, tokens, folder)
-    return load_features(folder)
+PROMPT_STRIDE = 4  # prompts for --source greedy: one per 4 prompt lengths of text
+
+
+def features_for(model, tokenizer, args, folder: Path, k: int) -> Positions:
+    """Backbone features for ``args.data``, extracted once into ``folder``."""
+    if args.source == "text":
+        tokens = tokenize_files(
+            tokenizer, args.data, seq_len=args.seq_len, max_tokens=args.max_tokens
+        )
+        extract(model, tokens, folder)
+    else:
+        row = args.prompt_tokens + args.new_tokens
+        n = max(1, args.max_tokens // row)
+        span = args.prompt_tokens * PROMPT_STRIDE
+        text = tokenize_files(tokenizer, args.data, seq_len=span, max_tokens=n * span)
+        continue_greedily(model, text[:, : args.prompt_tokens], folder, new_tokens=args.new_tokens)
+    tokens, hidden, greedy_ids, start = load_features(folder)
+    return Positions(tokens, hidden, greedy_ids, k, start)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -138,9 +152,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=TrainConfig.batch)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab)
-    p.add_argument("--seq-len", type=int, default=256)
     p.add_argument(
-        "--max-tokens", type=int, default=120_000, help="training text budget, in tokens"
+        "--source",
+        choices=("greedy", "text"),
+        default="greedy",
+        help="greedy: train on the backbone's own greedy continuations of prompts cut from "
+        "--data (what decoding sees; default); text: on --data itself, teacher-forced",
+    )
+    p.add_argument("--prompt-tokens", type=int, default=32, help="--source greedy: prompt length")
+    p.add_argument("--new-tokens", type=int, default=80, help="--source greedy: tokens generated")
+    p.add_argument("--seq-len", type=int, default=256, help="--source text: row length")
+    p.add_argument(
+        "--max-tokens", type=int, default=120_000, help="feature budget, in tokens (all rows)"
     )
     p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every)
     p.add_argument(
@@ -161,7 +184,7 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
         model, tokenizer, _ = load(args.model, None)
         bundle = load_heads(args.heads, model)
         work = Path(args.work_dir or f"{args.heads}.eval-work")
-        data = Positions(*features_for(model, tokenizer, args, work), bundle.k)
+        data = features_for(model, tokenizer, args, work, bundle.k)
         print(json.dumps(evaluate(model, bundle, data, args.seed), indent=1))
         return 0
     if not args.out:
@@ -181,11 +204,10 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
     t0 = time.perf_counter()
     model, tokenizer, _ = load(args.model, None)
     work = Path(args.work_dir or f"{args.out}.work")
-    tokens, hidden, greedy_ids = features_for(model, tokenizer, args, work / "features")
+    data = features_for(model, tokenizer, args, work / "features", cfg.k)
     t_features = elapsed(t0)
-    data = Positions(tokens, hidden, greedy_ids, cfg.k)
-    vocab_ids = draft_vocabulary(greedy_ids, cfg.draft_vocab, model.args.vocab_size)
-    coverage = float(np.isin(greedy_ids, vocab_ids).mean())
+    vocab_ids = draft_vocabulary(data.greedy, cfg.draft_vocab, model.args.vocab_size)
+    coverage = float(np.isin(data.greedy, vocab_ids).mean())
     bundle = init_heads(model, cfg.k, design=cfg.design, seed=cfg.seed, name=str(args.model or ""))
     bundle.set_dtype(mx.float32)
     bundle.set_draft_vocab(vocab_ids)
@@ -199,7 +221,8 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
         "command": "python -m clp_mlx.train "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "data": [Path(d).name for d in args.data],
-        "train_tokens": int(tokens.size),
+        "train_tokens": int(data.tokens.size),
+        "train_positions": len(data),
         "config": cfg.__dict__,
         "draft_vocab_coverage": round(coverage, 4),
         "seconds": {"features": t_features, "heads": t_heads - t_features, "total": elapsed(t0)},

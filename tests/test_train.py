@@ -89,3 +89,32 @@ def test_bad_training_input(setup, tmp_path):
         main(args(root, folder, tmp_path / "missing.txt", "x"))
     with pytest.raises(ClpError, match="exists"):
         main(args(root, folder, text, "heads"))
+
+
+def test_greedy_continuations_are_what_plain_decoding_writes(tmp_path):
+    from clp_mlx.decode import decode
+    from clp_mlx.features import continue_greedily, load_features
+
+    model = tiny_model(1, vocab=128)
+    prompts = np.random.default_rng(3).integers(0, 128, (5, 6)).astype(np.int32)
+    continue_greedily(model, prompts, tmp_path, new_tokens=9, batch=2, progress=False)
+    tokens, hidden, greedy_ids, start = load_features(tmp_path)
+    assert tokens.shape == greedy_ids.shape == (5, 15) and hidden.shape[:2] == (5, 15)
+    assert start == 5
+    for row, prompt in zip(tokens, prompts):
+        ar = [t for t, _ in decode(mx.array(prompt), model, None, max_tokens=9, mode="ar")]
+        assert row[:6].tolist() == prompt.tolist() and row[6:].tolist() == ar
+    # from the end of the prompt on, the label at t is the text's token t+1
+    assert (greedy_ids[:, start:-1] == tokens[:, start + 1 :]).all()
+    # an interrupted run (one chunk lost) resumes to the same features
+    (tmp_path / "chunk000002.npz").unlink()
+    continue_greedily(model, prompts, tmp_path, new_tokens=9, batch=2, progress=False)
+    again = load_features(tmp_path)
+    assert (again[0] == tokens).all() and (again[1] == hidden).all()
+
+
+def test_training_on_the_text_itself(setup):
+    root, folder, text = setup
+    assert main(args(root, folder, text, "text-heads", steps=20, extra=["--source", "text"])) == 0
+    report = json.loads((root / "text-heads" / "training.json").read_text())
+    assert report["train_tokens"] == 4096  # 64 rows of 64 text tokens, not continuations
