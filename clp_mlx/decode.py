@@ -52,7 +52,7 @@ from typing import Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .backbone import embed, hidden_states, project
+from .backbone import hidden_states, project
 from .errors import ClpError
 from .heads import MTPBundle
 from .sampling import Sampling, accept_drafts, draw, log_probs
@@ -216,11 +216,7 @@ def _draft_tokens(model, heads, h, b, choose=greedy):
     (a slice of the output projection); sampled drafts need the full
     distribution q, which verification compares with the backbone's p.
     """
-    emb = embed(model, b) if heads.uses_token_embedding else None
-    drafts_h = heads.draft_hidden(h, emb)
-    if choose is greedy:
-        return heads.draft_ids(model, drafts_h)
-    return choose(project(model, drafts_h))
+    return heads.draft(model, h, b, None if choose is greedy else choose)[0]
 
 
 def unchecked_step(model, heads, tokens, cache, mode, n_draft, threshold=0.5, choose=greedy):
@@ -327,10 +323,8 @@ def _verify_sampled(model, heads, y, cache, max_tokens, n_draft, stats, sampler)
         a, b = accept_drafts(p, q_fed, tokens[1:], sampler.next_key())
         # Only the row after the last accepted token drafts: k projected
         # rows, not (m+1)k, and Embed heads can see the token just drawn.
-        h_a = h[a][None]
-        tok_emb = embed(model, b[None]) if heads.uses_token_embedding else None
-        q = sampler.log_probs(project(model, heads.draft_hidden(h_a, tok_emb)[0]))  # (k, V)
-        d = draw(q, sampler.next_key())
+        d, logits = heads.draft(model, h[a][None], b[None], sampler)
+        d, q = d[0], sampler.log_probs(logits[0])  # (k,), (k, V)
         return mx.concatenate([a[None].astype(mx.uint32), b[None], d]), q
 
     produced = 0

@@ -31,7 +31,7 @@ from . import backbone
 from .errors import ClpError
 
 FORMAT = "clp-mlx-heads"
-DESIGNS = ("medusa", "embed")
+DESIGNS = ("medusa", "embed", "chain")
 GATE_PARAMS = 1_000_000  # the paper's gate baseline is "about 1M parameters"
 PROBE_MIN_COSINE = 0.99  # same weights in fp32/fp16/4-bit agree to > 0.995
 
@@ -153,15 +153,50 @@ class MTPBundle(nn.Module):
 
     @property
     def uses_token_embedding(self) -> bool:
-        return self.config.design == "embed"
+        return self.config.design != "medusa"
 
     def draft_hidden(self, h: mx.array, tok_emb: mx.array | None = None) -> mx.array:
-        """(..., d) -> (..., k, d): every head's output, before projection."""
-        if self.uses_token_embedding:
+        """(..., d) -> (..., k, d): every head's output, before projection.
+
+        ``tok_emb``: for "embed", the embedding of the backbone's token t+1
+        (..., d); for "chain", of the token before each head's target
+        (..., k, d), as training knows them (teacher forcing).
+        """
+        if self.config.design == "chain":
+            outs = [head(h, tok_emb[..., i, :]) for i, head in enumerate(self.heads)]
+        elif self.uses_token_embedding:
             outs = [head(h, tok_emb) for head in self.heads]
         else:
             outs = [head(h) for head in self.heads]
         return mx.stack(outs, axis=-2)
+
+    def draft(self, model: nn.Module, h: mx.array, b: mx.array, choose=None):
+        """Drafts (rows, k) from hidden states ``h`` (rows, d) and the
+        backbone's tokens t+1 ``b`` (rows,), and their logits (rows, k, V).
+
+        ``choose=None`` drafts greedily through the draft vocabulary (logits
+        None); otherwise ``choose(logits)`` picks each draft from the full
+        distribution. "chain" heads draft in turn, each seeing the previous
+        draft (EAGLE's and FastMTP's recursion); the others in parallel.
+        """
+        if self.config.design != "chain":
+            out = self.draft_hidden(
+                h, backbone.embed(model, b) if self.uses_token_embedding else None
+            )
+            if choose is None:
+                return self.draft_ids(model, out), None
+            logits = backbone.project(model, out)
+            return choose(logits), logits
+        tokens, logits, prev = [], [], b
+        for head in self.heads:
+            out = head(h, backbone.embed(model, prev))
+            if choose is None:
+                prev = self.draft_ids(model, out)
+            else:
+                logits.append(backbone.project(model, out))
+                prev = choose(logits[-1])
+            tokens.append(prev)
+        return mx.stack(tokens, axis=-1), mx.stack(logits, axis=-2) if logits else None
 
     def clp_length(self, h: mx.array) -> mx.array:
         """CLP's choice of how many drafts to accept, 0..k."""

@@ -104,8 +104,7 @@ class HeadTrainer:
 
     def _loss(self, batch):
         bundle = self.bundle
-        emb = backbone.embed(self.model, batch["b"]) if bundle.uses_token_embedding else None
-        out = bundle.draft_hidden(batch["h"], emb)  # (B, k, d)
+        out = bundle.draft_hidden(batch["h"], teacher_embeddings(self.model, bundle, batch))
         ce, hit, valid = self._ce(out, batch["future_b"])
         feat = nn.losses.smooth_l1_loss(out, batch["future_h"], reduction="mean")
         loss = ce + self.cfg.feature_weight * feat
@@ -155,13 +154,27 @@ class HeadTrainer:
         return True
 
 
+def teacher_embeddings(model, bundle: MTPBundle, batch: dict):
+    """What the heads see of the tokens before their targets, in training.
+
+    "embed": the backbone's token t+1; "chain": for head i the backbone's
+    token t+i (for i > 1 the token the previous head should have drafted:
+    only then does its draft count, as verify stops at the first miss).
+    """
+    if not bundle.uses_token_embedding:
+        return None
+    if bundle.config.design != "chain":
+        return backbone.embed(model, batch["b"])
+    before = mx.concatenate([batch["b"][:, None], batch["future_b"][:, :-1]], axis=1)
+    return backbone.embed(model, before)
+
+
 def head_drafts(model, bundle: MTPBundle, data: Positions, idx: np.ndarray, batch=128):
     """Each head's greedy draft at positions ``idx``, exactly as decoding drafts."""
     out = []
     for s in range(0, idx.size, batch):
         b = data.batch(idx[s : s + batch])
-        emb = backbone.embed(model, b["b"]) if bundle.uses_token_embedding else None
-        out.append(np.array(bundle.draft_ids(model, bundle.draft_hidden(b["h"], emb))))
+        out.append(np.array(bundle.draft(model, b["h"], b["b"])[0]))
     return np.concatenate(out)
 
 

@@ -38,7 +38,7 @@ def test_verify_equals_ar_for_random_heads(k):
         for n in (1, 3, 9):
             prompt = prompt_of(n, seed * 31 + n)
             ar = run(prompt, model, mode="ar", max_tokens=48)
-            for design in ("medusa", "embed"):
+            for design in ("medusa", "embed", "chain"):
                 heads = random_heads(model, k, seed=seed + n, scale=0.5, design=design)
                 got = run(prompt, model, heads, mode="verify", max_tokens=48)
                 assert got == ar, (k, seed, n, design)

@@ -106,3 +106,21 @@ def test_draft_vocabulary_is_saved_with_the_heads(tmp_path, model):
     save_heads(heads, tmp_path / "h")
     again = load_heads(tmp_path / "h", model)
     assert again.draft_vocab.tolist() == [1, 5, 9] and again.config.draft_vocab == 3
+
+
+def test_chained_heads_draft_in_turn(model):
+    """Head i of a "chain" bundle sees the draft of head i-1, as in training."""
+    from clp_mlx.backbone import embed
+
+    heads = random_heads(model, 3, seed=5, scale=0.5, design="chain")
+    h = mx.random.normal((4, model.args.hidden_size), key=mx.random.key(1))
+    b = mx.array([1, 2, 3, 4])
+    drafts, _ = heads.draft(model, h, b)
+    before = mx.concatenate([b[:, None], drafts[:, :-1]], axis=1)
+    teacher = heads.draft_ids(model, heads.draft_hidden(h, embed(model, before)))
+    assert mx.array_equal(drafts, teacher).item()
+    # ... and the drafts do depend on the previous draft, not on b alone
+    other = mx.concatenate([b[:, None], (drafts[:, :-1] + 1) % model.args.vocab_size], axis=1)
+    assert not mx.array_equal(
+        heads.draft_hidden(h, embed(model, other)), heads.draft_hidden(h, embed(model, before))
+    ).item()

@@ -109,6 +109,16 @@ def test_verify_sampling_has_the_backbones_distribution(small):
     assert stats.accepted[0] > n + 200 and stats.accepted[2] > 200, stats.accepted
 
 
+def test_verify_sampling_with_chained_heads_has_the_backbones_distribution(small):
+    """Chained heads draw each draft from a q that depends on the previous draw."""
+    model, _ = small
+    heads = random_heads(model, 2, seed=4, scale=0.3, design="chain")
+    stats = DecodeStats("verify", 2)
+    counts = counts_of(decode_samples(model, heads, "verify", 2000, stats=stats))
+    assert chi2_pvalue(counts, exact_joint(conditionals(model, TEMP))) > 1e-3
+    assert stats.accepted[1] > 200 and stats.accepted[2] > 100, stats.accepted
+
+
 def test_ar_sampling_has_the_backbones_distribution(small):
     model, _ = small
     s = Sampling(temp=0.8, top_p=0.9)
@@ -238,7 +248,8 @@ def test_transform_keeps_what_mlx_lm_keeps(temp, top_p, top_k):
 
 
 @pytest.mark.parametrize(
-    "kw", [{"temp": -1}, {"temp": 1, "top_p": 0}, {"temp": 1, "top_p": 1.5}, {"temp": 1, "top_k": -2}]
+    "kw",
+    [{"temp": -1}, {"temp": 1, "top_p": 0}, {"temp": 1, "top_p": 1.5}, {"temp": 1, "top_k": -2}],
 )
 def test_bad_sampling_values_are_refused(kw):
     with pytest.raises(ClpError):

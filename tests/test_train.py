@@ -113,8 +113,11 @@ def test_greedy_continuations_are_what_plain_decoding_writes(tmp_path):
     assert (again[0] == tokens).all() and (again[1] == hidden).all()
 
 
-def test_training_on_the_text_itself(setup):
+def test_chained_heads_on_the_text_itself(setup):
     root, folder, text = setup
-    assert main(args(root, folder, text, "text-heads", steps=20, extra=["--source", "text"])) == 0
+    extra = ["--source", "text", "--design", "chain"]
+    assert main(args(root, folder, text, "text-heads", steps=30, extra=extra)) == 0
     report = json.loads((root / "text-heads" / "training.json").read_text())
     assert report["train_tokens"] == 4096  # 64 rows of 64 text tokens, not continuations
+    losses = [h["loss"] for h in report["history"]]
+    assert losses[-1] < 0.8 * losses[0], losses
