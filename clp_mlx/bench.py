@@ -1,179 +1,213 @@
-"""``python -m clp_mlx.bench``: speed and quality of every mode against ``ar``.
+"""``python -m clp_mlx.bench``: speed and quality of every method against ``ar``.
 
-Prompts: the openings of WikiText-2 test articles, as in the paper (the first
-paragraph of each of the first N articles, cut to ``--prompt-tokens``), or a
-file with one prompt per line. Methods run interleaved, prompt by prompt,
-after a warm-up; each figure is the median over prompts of the per-prompt
-ratio against ``ar`` on the same prompt, with the spread (min-max) shown.
+Methods: our decode modes (``ar``, ``clp``, ``fixed``, ``gate``,
+``prior-mtp``, ``verify``, and ``verify-clp``: verify feeding only the drafts
+CLP expects to pass) and two peers from mlx-lm, ``mlx-lm`` (its greedy
+``generate_step``) and ``mlx-lm-draft`` (its ``speculative_generate_step``
+with ``--draft-model`` drafting ``--draft-tokens`` tokens). All decode
+greedily from the same prompt ids; methods run interleaved, prompt by prompt,
+after one warm-up run of each.
+
+Prompts: ``--wikitext FILE``, the paper's (the first paragraph of each of the
+first N WikiText-2 test articles, cut to ``--prompt-tokens``), or ``--prompts
+FILE``, instructions kept whole (JSONL with "prompt" or MT-Bench "turns",
+first turn; or one prompt per line).
+
+Chat template rule (``--chat-template``, default ``auto``): instruction
+prompts from ``--prompts`` are wrapped in the tokenizer's chat template (a
+user turn plus the generation prompt) when the tokenizer has one; WikiText
+openings never are. ``always`` wraps both (an error if the tokenizer has no
+template), ``never`` neither.
+
+Per method: decode tok/s from the first token on and prefill seconds (time to
+first token), medians; speed-up = median over prompts of the per-prompt ratio
+to ``ar`` on the same prompt, with its min-max; tokens per backbone pass and
+the accepted-draft histogram; repetition; share of outputs identical to
+``ar`` and mean common prefix with it; perplexity of the output under the
+backbone (a teacher-forced pass after timing); peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import time
+import sys
 from pathlib import Path
 
+from .bench_methods import (
+    DEFAULT_MODES,
+    METHODS,
+    bench,
+    needs_heads,
+    peak_memory_source,
+    repetition_ratio,
+)
+from .bench_prompts import (
+    CHAT_TEMPLATE_CHOICES,
+    encode_prompts,
+    instruction_prompts,
+    wikitext_prompts,
+)
+from .bench_report import environment, markdown, plots, weights_dtype, write_json
 from .cli import run
-from .decode import MODES, DecodeStats, decode
 from .errors import ClpError
 
+__all__ = ["bench", "main", "repetition_ratio", "settings", "wikitext_prompts"]
 
-def wikitext_prompts(path: str, n: int) -> list[str]:
-    """First paragraph of each of the first ``n`` articles (' = Title = ' lines)."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    prompts, in_article = [], False
-    for line in lines:
-        s = line.strip()
-        if s.startswith("= ") and s.endswith(" =") and not s.startswith("= ="):
-            in_article = True
-        elif in_article and s and not s.startswith("="):
-            prompts.append(s)
-            in_article = False
-            if len(prompts) == n:
-                break
-    if not prompts:
-        raise ClpError(f"{path} holds no WikiText articles")
-    return prompts
+DEFAULTS = {"num_prompts": 15, "max_tokens": 64, "modes": list(DEFAULT_MODES), "repeats": 1}
+QUICK = {"num_prompts": 3, "max_tokens": 32, "modes": ["ar", "verify", "clp"], "repeats": 1}
 
 
-def repetition_ratio(tokens: list[int]) -> float:
-    """1 - distinct 3-grams / all 3-grams (the paper's measure)."""
-    grams = [tuple(tokens[i : i + 3]) for i in range(len(tokens) - 2)]
-    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+# -- command line ---------------------------------------------------------------
 
 
-def run_one(model, heads, ids, mode, max_tokens, k):
-    """One generation; mode "verify-clp" is verify feeding only CLP's count."""
-    stats = DecodeStats(mode, k if mode != "ar" else 0)
-    tic = time.perf_counter()
-    feed = "clp" if mode == "verify-clp" else "all"
-    kind = "verify" if mode == "verify-clp" else mode
-    gen = decode(ids, model, heads, mode=kind, max_tokens=max_tokens, stats=stats, feed=feed)
-    first = next(gen)
-    t_first = time.perf_counter()
-    out = [first[0]] + [t for t, _ in gen]
-    done = time.perf_counter()
-    return out, stats, (len(out) - 1) / (done - t_first), t_first - tic
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m clp_mlx.bench", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model", nargs="+", default=[None], help="one or more models (default: the 0.5B)"
+    )
+    p.add_argument(
+        "--heads",
+        default=None,
+        help="heads folder (one model only) or 'init' (default: each model's shipped heads)",
+    )
+    p.add_argument("--draft-model", help="mlx-lm-draft's draft model, for every bigger model")
+    p.add_argument("--draft-tokens", type=int, default=3, help="mlx-lm-draft's drafts per pass")
+    p.add_argument("--wikitext", help="WikiText-2 raw test file (the paper's prompts)")
+    p.add_argument("--prompts", help="instructions: JSONL (prompt / turns) or one per line")
+    p.add_argument("--chat-template", default="auto", help="auto (default), always or never")
+    p.add_argument("--num-prompts", type=int, help="default 15 (--quick: 3)")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="cut WikiText prompts to this")
+    p.add_argument("--max-tokens", "-m", type=int, help="new tokens, default 64 (--quick: 32)")
+    p.add_argument(
+        "--modes", nargs="+", help=f"of {', '.join(METHODS)} (default: {' '.join(DEFAULT_MODES)})"
+    )
+    p.add_argument("--repeats", type=int, help="runs per prompt and method (default 1)")
+    p.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, ar verify clp")
+    p.add_argument("--json", help="write every number and the environment here")
+    p.add_argument("--plots", help="folder for speedup-vs-quality.png and accepted-lengths.png")
+    return p
 
 
-def bench(model, tokenizer, heads, prompts, modes, *, max_tokens, prompt_tokens, repeats=1):
-    k = heads.k if heads is not None else 0
-    encoded = [tokenizer.encode(p)[:prompt_tokens] for p in prompts]
-    run_one(model, heads, encoded[0], "ar", 8, k)  # warm-up: compile, caches
-    rows = {
-        m: {
-            "tps": [],
-            "ratio": [],
-            "tau": [],
-            "rep": [],
-            "same": [],
-            "prefix": [],
-            "hist": [0] * (k + 1),
-        }
-        for m in modes
-    }
-    for ids in encoded:
-        for _ in range(repeats):
-            results = {m: run_one(model, heads, ids, m, max_tokens, k) for m in modes}
-            ref = results["ar"][0]
-            for m, (out, stats, tps, _) in results.items():
-                r = rows[m]
-                r["tps"].append(tps)
-                r["ratio"].append(tps / results["ar"][2])
-                r["tau"].append(stats.tokens_per_step)
-                r["rep"].append(repetition_ratio(out))
-                r["same"].append(out == ref)
-                r["prefix"].append(
-                    next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), len(out))
-                )
-                if stats.k:
-                    r["hist"] = [a + b for a, b in zip(r["hist"], stats.accepted)]
-    return {
-        m: {
-            "decode_tps": round(statistics.median(r["tps"]), 3),
-            "speedup": round(statistics.median(r["ratio"]), 3),
-            "speedup_min": round(min(r["ratio"]), 3),
-            "speedup_max": round(max(r["ratio"]), 3),
-            "tokens_per_pass": round(statistics.mean(r["tau"]), 3),
-            "repetition": round(statistics.mean(r["rep"]), 4),
-            "identical_to_ar": round(sum(r["same"]) / len(r["same"]), 3),
-            "mean_common_prefix": round(statistics.mean(r["prefix"]), 1),
-            "accepted_histogram": r["hist"],
-        }
-        for m, r in rows.items()
-    }
+def settings(argv=None) -> argparse.Namespace:
+    """Parsed and checked options; --quick changes the defaults, explicit options win."""
+    args = _parser().parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    unknown = [m for m in args.modes if m not in METHODS]
+    if unknown:
+        raise ClpError(f"unknown mode {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    args.modes = ["ar", *(m for m in dict.fromkeys(args.modes) if m != "ar")]
+    for name, least in (("repeats", 1), ("max_tokens", 2), ("num_prompts", 1)):
+        if getattr(args, name) < least:
+            why = " (the first token is the prefill)" if name == "max_tokens" else ""
+            raise ClpError(f"--{name.replace('_', '-')} must be at least {least}{why}")
+    for name in ("prompt_tokens", "draft_tokens"):
+        if getattr(args, name) < 1:
+            raise ClpError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.chat_template not in CHAT_TEMPLATE_CHOICES:
+        raise ClpError(f"--chat-template must be one of {', '.join(CHAT_TEMPLATE_CHOICES)}")
+    if bool(args.wikitext) == bool(args.prompts):
+        raise ClpError("give exactly one of --wikitext FILE or --prompts FILE")
+    if "mlx-lm-draft" in args.modes and not args.draft_model:
+        raise ClpError("mode mlx-lm-draft needs --draft-model (a smaller model, same tokenizer)")
+    if len(args.model) > 1 and args.heads not in (None, "init"):
+        raise ClpError("--heads FOLDER fits one model; with several, each uses its shipped heads")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise ClpError(f"--json: the folder of {args.json} does not exist")
+    if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
+        raise ClpError(f"--plots: {args.plots} is a file, not a folder")
+    return args
 
 
-def markdown(table: dict) -> str:
-    head = "| mode | speed-up vs ar (min-max) | decode tok/s | τ | repetition | identical to ar |"
-    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for m, r in table.items():
-        lines.append(
-            f"| {m} | {r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) "
-            f"| {r['decode_tps']:.2f} | {r['tokens_per_pass']:.2f} | {r['repetition']:.4f} "
-            f"| {r['identical_to_ar']:.0%} |"
+def _size(model) -> int:
+    """A proxy for the parameter count that ignores quantization."""
+    a = model.args
+    return a.num_hidden_layers * a.hidden_size * (a.hidden_size + a.intermediate_size)
+
+
+def _methods_for(args, spec, model, heads, draft) -> tuple[list, list]:
+    """The methods this model runs, and notes on those it skips."""
+    skipped, notes = [], []
+    if heads is None:
+        skipped = [m for m in args.modes if needs_heads(m)]
+    if skipped and len(args.model) == 1:
+        raise ClpError(
+            f"mode {skipped[0]} needs heads and this model has no shipped heads: "
+            "pass --heads FOLDER or --heads init"
         )
-    return "\n".join(lines)
+    if skipped:
+        notes.append(f"skipped {', '.join(skipped)}: {spec} has no shipped heads")
+    if draft is not None and (spec == args.draft_model or _size(model) <= _size(draft)):
+        why = "is the draft model" if spec == args.draft_model else "is not bigger than the draft"
+        notes.append(f"skipped mlx-lm-draft: {spec} {why}")
+        skipped.append("mlx-lm-draft")
+    return [m for m in args.modes if m not in skipped], notes
+
+
+def _one_model(args, spec, texts, kind, draft) -> dict:
+    """Benchmark one model, print its table; its entry of the JSON."""
+    from .api import load, shipped_heads
+    from .sources import default_model_name
+
+    model, tokenizer, heads = load(spec, args.heads)
+    ids, templated = encode_prompts(
+        tokenizer, texts, kind, chat_template=args.chat_template, prompt_tokens=args.prompt_tokens
+    )
+    methods, notes = _methods_for(args, spec, model, heads, draft)
+    table = bench(
+        model,
+        heads,
+        ids,
+        methods,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        draft=draft,
+        draft_tokens=args.draft_tokens,
+    )
+    name = spec or default_model_name()
+    print(f"## {name}\n\n{markdown(table)}\n")
+    for note in notes:
+        print(f"note: {note}\n")
+    return {
+        "model": name,
+        "weights_dtype": weights_dtype(model),
+        "heads": None if heads is None else str(args.heads or shipped_heads(spec)),
+        "k": heads.k if heads is not None else 0,
+        "chat_template": templated,
+        "mean_prompt_tokens": round(statistics.mean(len(x) for x in ids), 1),
+        "draft_model": args.draft_model if "mlx-lm-draft" in methods else None,
+        "notes": notes,
+        "results": table,
+    }
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clp_mlx.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--heads", default=None, help="heads folder or 'init' (default: shipped heads)")
-    p.add_argument("--wikitext", help="WikiText-2 raw test file (the paper's prompts)")
-    p.add_argument("--prompts", help="a text file, one prompt per line")
-    p.add_argument("--num-prompts", type=int, default=15)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", "-m", type=int, default=64)
-    p.add_argument(
-        "--modes",
-        nargs="+",
-        choices=[*MODES, "verify-clp"],
-        default=["ar", "verify", "clp", "fixed"],
-    )
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--json", help="write every number here")
-    args = p.parse_args(argv)
-    if bool(args.wikitext) == bool(args.prompts):
-        raise ClpError("give exactly one of --wikitext FILE or --prompts FILE")
-    source = args.wikitext or args.prompts
-    if not Path(source).is_file():
-        raise ClpError(f"prompt file {source} does not exist")
+    args = settings(argv)
     if args.wikitext:
-        prompts = wikitext_prompts(args.wikitext, args.num_prompts)
+        kind, source = "wikitext", args.wikitext
+        texts = wikitext_prompts(args.wikitext, args.num_prompts)
     else:
-        prompts = [s for s in Path(args.prompts).read_text().splitlines() if s.strip()][
-            : args.num_prompts
-        ]
-    modes = ["ar"] + [m for m in args.modes if m != "ar"]
+        kind, source = "instruction", args.prompts
+        texts = instruction_prompts(args.prompts, args.num_prompts)
+    import mlx.core as mx
+
     from .api import load
 
-    model, tokenizer, heads = load(args.model, args.heads)
-    table = bench(
-        model,
-        tokenizer,
-        heads,
-        prompts,
-        modes,
-        max_tokens=args.max_tokens,
-        prompt_tokens=args.prompt_tokens,
-        repeats=args.repeats,
-    )
-    print(markdown(table))
+    draft = load(args.draft_model, None)[0] if "mlx-lm-draft" in args.modes else None
+    entries = []
+    for spec in args.model:
+        entries.append(_one_model(args, spec, texts, kind, draft))
+        mx.clear_cache()  # the model is gone: return its buffers before the next loads
     if args.json:
-        import mlx.core as mx
-
-        env = {
-            "machine": platform.machine(),
-            "system": platform.system(),
-            "device": str(mx.default_device()),
-        }
-        Path(args.json).write_text(
-            json.dumps({"args": vars(args), "env": env, "results": table}, indent=1)
-        )
+        env = {**environment(), "peak_memory": peak_memory_source()}
+        prompts = {"file": source, "kind": kind, "count": len(texts)}
+        report = {"args": vars(args), "env": env, "prompts": prompts, "models": entries}
+        write_json(args.json, report)
+    if args.plots:
+        for path in plots(entries, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -1,9 +1,16 @@
-"""The benchmark's prompt rule and metrics (numbers are not asserted, only meaning)."""
+"""The benchmark's prompts, methods, metrics and files (numbers are not asserted, only meaning)."""
 
+import json
+
+import mlx.core as mx
+import numpy as np
 import pytest
-from conftest import FakeTokenizer, random_heads
+from conftest import FakeTokenizer, random_heads, tiny_model, write_model_folder
 
-from clp_mlx.bench import bench, main, repetition_ratio, wikitext_prompts
+from clp_mlx.bench import bench, main, repetition_ratio, settings, wikitext_prompts
+from clp_mlx.bench_methods import continuation_nll, perplexity
+from clp_mlx.bench_prompts import encode_prompts, instruction_prompts
+from clp_mlx.bench_report import plots, write_json
 from clp_mlx.errors import ClpError
 
 ARTICLES = """ = First article =
@@ -17,6 +24,7 @@ ARTICLES = """ = First article =
 
  Opening of two .
 """
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_prompts_are_first_paragraphs_of_articles(tmp_path):
@@ -25,29 +33,200 @@ def test_prompts_are_first_paragraphs_of_articles(tmp_path):
     assert wikitext_prompts(str(path), 5) == ["First paragraph of one .", "Opening of two ."]
 
 
+def test_instruction_files_jsonl_turns_and_plain_text(tmp_path):
+    jsonl = tmp_path / "q.jsonl"
+    jsonl.write_text('{"prompt": "Say hi"}\n\n{"turns": ["First turn", "second"], "id": 3}\n')
+    assert instruction_prompts(str(jsonl)) == ["Say hi", "First turn"]
+    # Not named .jsonl, but every line is a JSON object: still JSONL.
+    objects = tmp_path / "q.txt"
+    objects.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert instruction_prompts(str(objects), 1) == ["a"]
+    plain = tmp_path / "plain.txt"
+    plain.write_text('Write a poem.\n\n{"prompt": "x"}\n  Explain MLX.  \n')
+    assert instruction_prompts(str(plain)) == ["Write a poem.", '{"prompt": "x"}', "Explain MLX."]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "line 3: not a JSON object"),
+        ("[1, 2]", "line 3: not a JSON object"),
+        ('{"question": "x"}', "line 3: .*neither 'prompt' nor 'turns'"),
+        ('{"turns": []}', "line 3: 'turns' must be"),
+        ('{"prompt": 5}', "line 3: 'prompt' must be"),
+    ],
+)
+def test_bad_jsonl_lines_name_their_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(f'{{"prompt": "fine"}}\n\n{line}\n')
+    with pytest.raises(ClpError, match=message):
+        instruction_prompts(str(path))
+
+
+class TemplateTokenizer(FakeTokenizer):
+    chat_template = "<user>{content}<assistant>"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert not tokenize and add_generation_prompt and messages[0]["role"] == "user"
+        return f"<u>{messages[0]['content']}<a>"
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_chat_template_rule_and_prompt_cut():
+    tok, text = TemplateTokenizer(), "abcdefgh"
+    ids, templated = encode_prompts(tok, [text], "instruction", prompt_tokens=3)
+    assert templated and ids == [tok.encode("<u>abcdefgh<a>")]  # whole, templated
+    ids, templated = encode_prompts(tok, [text], "wikitext", prompt_tokens=3)
+    assert not templated and ids == [tok.encode("abc")]  # cut, never templated
+    ids, _ = encode_prompts(tok, [text], "wikitext", chat_template="always", prompt_tokens=3)
+    assert ids == [tok.encode("<u>abc<a>")]
+    ids, _ = encode_prompts(tok, [text], "instruction", chat_template="never", prompt_tokens=3)
+    assert ids == [tok.encode(text)]
+    ids, templated = encode_prompts(FakeTokenizer(), [text], "instruction")
+    assert not templated and ids == [FakeTokenizer().encode(text)]  # no template: plain
+    with pytest.raises(ClpError, match="no chat template"):
+        encode_prompts(FakeTokenizer(), [text], "instruction", chat_template="always")
+
+
 def test_repetition_ratio():
     assert repetition_ratio([1, 2, 3, 4, 5]) == 0.0
     assert repetition_ratio([7, 7, 7, 7, 7]) == 1 - 1 / 3
     assert repetition_ratio([1, 2]) == 0.0
 
 
-def test_verify_rows_are_identical_to_ar(model):
+def test_perplexity_matches_a_hand_computation(model):
+    prompt, generated = [5, 17, 99], [3, 3, 60, 1]
+    nll = 0.0
+    for i, tok in enumerate(generated):  # a fresh full pass per position
+        logits = np.array(model(mx.array([prompt + generated[:i]]))[0, -1], dtype=np.float64)
+        nll -= logits[tok] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    assert continuation_nll(model, prompt, generated) == pytest.approx(nll, rel=1e-4)
+    assert perplexity(model, prompt, generated) == pytest.approx(np.exp(nll / 4), rel=1e-4)
+
+
+def test_ours_and_mlx_lm_peers_are_identical_to_ar(model):
     heads = random_heads(model, 2, seed=2, scale=0.3)
-    table = bench(
-        model,
-        FakeTokenizer(),
-        heads,
-        ["abc", "hello"],
-        ["ar", "verify", "fixed"],
-        max_tokens=12,
-        prompt_tokens=8,
-    )
-    assert table["verify"]["identical_to_ar"] == 1.0 and table["ar"]["speedup"] == 1.0
+    draft = tiny_model(seed=1, layers=1)
+    prompts = [FakeTokenizer().encode(p) for p in ("abc", "hello")]
+    modes = ["ar", "verify", "verify-clp", "fixed", "mlx-lm", "mlx-lm-draft"]
+    table = bench(model, heads, prompts, modes, max_tokens=12, draft=draft, draft_tokens=3)
+    assert list(table) == modes and table["ar"]["speedup"] == 1.0
+    for m in ("verify", "verify-clp", "mlx-lm", "mlx-lm-draft"):
+        assert table[m]["identical_to_ar"] == 1.0 and table[m]["lossless"], m
+        assert table[m]["mean_common_prefix"] == 12.0
+        assert table[m]["perplexity"] == table["ar"]["perplexity"]  # same tokens, same pass
+    assert not table["fixed"]["lossless"]
     assert table["fixed"]["tokens_per_pass"] == 3.0  # 12 tokens, 3 per pass
+    assert table["mlx-lm"]["tokens_per_pass"] == 1.0
+    hist = table["mlx-lm-draft"]["accepted_histogram"]
+    assert len(hist) == 4 and sum(n * c for n, c in enumerate(hist)) + sum(hist) == 24
+    for r in table.values():
+        assert r["prefill_s"] > 0 and r["peak_memory_gb"] > 0 and r["perplexity"] >= 1
+
+
+def test_a_draft_model_equal_to_the_target_is_always_accepted(model):
+    table = bench(model, None, [[1, 2, 3]], ["mlx-lm-draft"], max_tokens=12, draft=model)
+    assert table["mlx-lm-draft"]["accepted_histogram"] == [0, 0, 0, 3]
+    assert table["mlx-lm-draft"]["tokens_per_pass"] == 4.0
+
+
+def test_quick_sets_its_defaults_and_explicit_options_win(tmp_path):
+    args = settings(["--quick", "--wikitext", "w.raw"])
+    assert (args.num_prompts, args.max_tokens, args.modes, args.repeats) == (
+        3,
+        32,
+        ["ar", "verify", "clp"],
+        1,
+    )
+    assert settings(["--quick", "--prompts", "p.txt", "-m", "9"]).max_tokens == 9
+    with pytest.raises(ClpError, match="exactly one"):
+        settings(["--quick"])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--modes", "ar", "beam"], "unknown mode 'beam'"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["-m", "0"], "--max-tokens must be at least 2"),
+        (["--modes", "ar", "mlx-lm-draft"], "--draft-model"),
+        (["--chat-template", "sometimes"], "--chat-template"),
+        (["--json", "/no/such/dir/out.json"], "--json"),
+    ],
+)
+def test_bad_options_are_clear_errors(tmp_path, extra, message):
+    # A model that does not exist: if a check were missing, loading fails otherwise.
+    argv = ["--model", str(tmp_path / "none"), "--prompts", __file__, *extra]
+    with pytest.raises(ClpError, match=message):
+        main(argv)
 
 
 def test_bad_prompt_files_are_clear_errors(tmp_path):
+    missing = str(tmp_path / "none")
     with pytest.raises(ClpError, match="does not exist"):
-        main(["--wikitext", str(tmp_path / "missing.raw")])
+        main(["--model", missing, "--wikitext", str(tmp_path / "missing.raw")])
+    with pytest.raises(ClpError, match="does not exist"):
+        main(["--model", missing, "--prompts", str(tmp_path / "missing.jsonl")])
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    with pytest.raises(ClpError, match="is empty"):
+        main(["--model", missing, "--prompts", str(tmp_path / "empty.txt")])
     with pytest.raises(ClpError, match="exactly one"):
         main([])
+
+
+def test_json_is_written_whole_or_not_at_all(tmp_path):
+    path = tmp_path / "out.json"
+    write_json(path, {"a": 1})
+    with pytest.raises(TypeError):
+        write_json(path, {"a": object()})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_plots_are_skipped_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib.figure", None)
+    assert plots([], tmp_path / "p") == []
+    assert "matplotlib" in capsys.readouterr().err and not (tmp_path / "p").exists()
+
+
+def test_cli_runs_two_models_and_writes_json_and_plots(tmp_path, capsys):
+    target = write_model_folder(tmp_path / "target", tiny_model(0))
+    draft = write_model_folder(tmp_path / "draft", tiny_model(1, layers=1))
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text('{"prompt": "ab"}\n{"turns": ["cd", "ef"]}\n')
+    out = tmp_path / "bench.json"
+    modes = ["ar", "verify", "clp", "mlx-lm", "mlx-lm-draft"]
+    argv = ["--model", str(target), str(draft), "--heads", "init", "--prompts", str(prompts)]
+    argv += ["--modes", *modes, "--draft-model", str(draft), "-m", "8", "--json", str(out)]
+    assert main([*argv, "--plots", str(tmp_path / "plots")]) == 0
+    stdout = capsys.readouterr().out
+    assert stdout.count("| method |") == 2 and "peak memory" in stdout
+    report = json.loads(out.read_text())
+    first, second = report["models"]
+    assert list(first["results"]) == modes and first["k"] == 3 and first["heads"] == "init"
+    assert first["results"]["mlx-lm-draft"]["identical_to_ar"] == 1.0
+    assert "mlx-lm-draft" not in second["results"] and "draft model" in second["notes"][0]
+    assert first["weights_dtype"] == "float32" and not first["chat_template"]
+    env = report["env"]
+    for key in ("machine", "system", "processor", "python", "mlx", "mlx_lm", "device", "blas"):
+        assert key in env
+    assert report["prompts"] == {"file": str(prompts), "kind": "instruction", "count": 2}
+    for name in ("speedup-vs-quality.png", "accepted-lengths.png"):
+        assert (tmp_path / "plots" / name).read_bytes().startswith(PNG)
+
+
+def test_models_without_heads(tmp_path, capsys):
+    one = write_model_folder(tmp_path / "one", tiny_model(0))
+    two = write_model_folder(tmp_path / "two", tiny_model(1, layers=1))
+    (tmp_path / "p.txt").write_text("ab\n")
+    argv = ["--prompts", str(tmp_path / "p.txt"), "--modes", "ar", "verify", "mlx-lm", "-m", "4"]
+    with pytest.raises(ClpError, match="verify needs heads"):
+        main(["--model", str(one), *argv])  # one model: a mistake to fix
+    out = tmp_path / "out.json"
+    assert main(["--model", str(one), str(two), *argv, "--json", str(out)]) == 0
+    for entry in json.loads(out.read_text())["models"]:  # several: skipped, with a note
+        assert list(entry["results"]) == ["ar", "mlx-lm"] and entry["heads"] is None
+        assert "skipped verify" in entry["notes"][0]
+    assert "note: skipped verify" in capsys.readouterr().out

@@ -1,0 +1,222 @@
+"""Running the benchmarked methods: our decode modes and mlx-lm's two decoders.
+
+Every method is timed the same way: the clock starts before the generator is
+created, the first token marks the end of the prefill (time to first token),
+and decode speed is the remaining tokens over the time they took. No method
+stops at EOS: each writes exactly ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step, speculative_generate_step
+
+from .decode import MODES, DecodeStats, decode
+from .errors import ClpError
+
+OURS = (*MODES, "verify-clp")  # verify-clp: verify feeding only CLP's count
+PEERS = ("mlx-lm", "mlx-lm-draft")
+METHODS = (*OURS, *PEERS)
+LOSSLESS = ("ar", "verify", "verify-clp", *PEERS)  # greedy: token for token as ar
+DEFAULT_MODES = ("ar", "verify", "clp", "fixed")
+WARMUP_TOKENS = 8
+
+
+def needs_heads(method: str) -> bool:
+    return method in OURS and method != "ar"
+
+
+@dataclass
+class Run:
+    """One timed generation."""
+
+    tokens: list
+    tps: float  # decode tokens/s, from the first token on
+    prefill: float  # seconds to the first token
+    steps: int  # backbone (target model) passes
+    accepted: list  # accepted[n]: passes that committed n drafts
+    peak: float  # bytes, see peak_memory_source()
+
+
+def _ours(model, heads, ids, mode, max_tokens):
+    k = heads.k if heads is not None and mode != "ar" else 0
+    stats = DecodeStats(mode, k)
+    feed = "clp" if mode == "verify-clp" else "all"
+    kind = "verify" if mode == "verify-clp" else mode
+    gen = decode(ids, model, heads, mode=kind, max_tokens=max_tokens, stats=stats, feed=feed)
+    return (t for t, _ in gen), lambda: (stats.steps, list(stats.accepted))
+
+
+def _mlx_lm(model, ids, max_tokens):
+    gen = generate_step(mx.array(ids, dtype=mx.uint32), model, max_tokens=max_tokens)
+    count = [0]
+
+    def tokens():
+        for t, _ in gen:
+            count[0] += 1
+            yield t
+
+    return tokens(), lambda: (count[0], [count[0]])
+
+
+def _mlx_lm_draft(model, draft, ids, max_tokens, draft_tokens):
+    """speculative_generate_step; a target pass ends at its first non-draft token."""
+    gen = speculative_generate_step(
+        mx.array(ids, dtype=mx.uint32),
+        model,
+        draft,
+        num_draft_tokens=draft_tokens,
+        max_tokens=max_tokens,
+    )
+    hist, run = [0] * (draft_tokens + 1), [0]
+
+    def tokens():
+        for t, _, from_draft in gen:
+            if from_draft:
+                run[0] += 1
+            else:
+                hist[run[0]] += 1
+                run[0] = 0
+            yield t
+
+    def counts():
+        # The last pass may stop at max_tokens right after accepted drafts.
+        h = list(hist)
+        if run[0]:
+            h[run[0]] += 1
+        return sum(h), h
+
+    return tokens(), counts
+
+
+def run_one(model, heads, ids, method, max_tokens, *, draft=None, draft_tokens=3) -> Run:
+    """Generate ``max_tokens`` tokens from ``ids`` with ``method``, timed."""
+    reset_peak_memory()
+    tic = time.perf_counter()
+    if method == "mlx-lm":
+        gen, counts = _mlx_lm(model, ids, max_tokens)
+    elif method == "mlx-lm-draft":
+        if draft is None:
+            raise ClpError("mlx-lm-draft needs a draft model (--draft-model)")
+        gen, counts = _mlx_lm_draft(model, draft, ids, max_tokens, draft_tokens)
+    elif method in OURS:
+        gen, counts = _ours(model, heads, ids, method, max_tokens)
+    else:
+        raise ClpError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    first = next(gen)
+    t_first = time.perf_counter()
+    out = [first, *gen]
+    done = time.perf_counter()
+    steps, accepted = counts()
+    tps = (len(out) - 1) / (done - t_first) if done > t_first else 0.0
+    return Run(out, tps, t_first - tic, steps, accepted, peak_memory())
+
+
+# -- quality, after timing ----------------------------------------------------
+
+
+def continuation_nll(model, prompt: list, generated: list) -> float:
+    """Sum of -log p(token) over ``generated``, each given prompt + earlier tokens.
+
+    One teacher-forced pass of the backbone, no cache, in float32.
+    """
+    if not generated:
+        return 0.0
+    ids = mx.array(list(prompt) + list(generated[:-1]), dtype=mx.uint32)
+    logits = model(ids[None])[0, len(prompt) - 1 :].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logp, mx.array(generated, dtype=mx.int32)[:, None], axis=-1)
+    return float(-mx.sum(picked))
+
+
+def perplexity(model, prompt: list, generated: list) -> float:
+    """exp(mean NLL of the generated tokens) under ``model``."""
+    return math.exp(continuation_nll(model, prompt, generated) / max(len(generated), 1))
+
+
+def repetition_ratio(tokens: list) -> float:
+    """1 - distinct 3-grams / all 3-grams (the paper's measure)."""
+    grams = [tuple(tokens[i : i + 3]) for i in range(len(tokens) - 2)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# -- the benchmark ---------------------------------------------------------------
+
+
+def bench(model, heads, prompts, methods, *, max_tokens, repeats=1, draft=None, draft_tokens=3):
+    """Run ``methods`` on each prompt (token id lists); return method -> figures."""
+    methods = ["ar", *(m for m in dict.fromkeys(methods) if m != "ar")]
+    kw = {"draft": draft, "draft_tokens": draft_tokens}
+    for m in methods:  # warm-up: first-call costs stay out of the figures
+        run_one(model, heads, prompts[0], m, min(WARMUP_TOKENS, max_tokens), **kw)
+    runs = {m: [] for m in methods}
+    for i, ids in enumerate(prompts):
+        for _ in range(repeats):
+            for m in methods:
+                runs[m].append((i, run_one(model, heads, ids, m, max_tokens, **kw)))
+    nll = {}  # quality after timing; lossless outputs share one pass
+    for m in methods:
+        for i, r in runs[m]:
+            key = (i, tuple(r.tokens))
+            if key not in nll:
+                nll[key] = continuation_nll(model, prompts[i], r.tokens)
+    return {m: _figures(m, runs[m], runs["ar"], nll) for m in methods}
+
+
+def _figures(method, runs, ar_runs, nll) -> dict:
+    pairs = [(r, a) for (_, r), (_, a) in zip(runs, ar_runs)]
+    ratios = [r.tps / a.tps if a.tps > 0 else 0.0 for r, a in pairs]
+    hist = [sum(c) for c in zip(*(r.accepted for _, r in runs))]
+    n_tokens = sum(len(r.tokens) for _, r in runs)
+    total_nll = sum(nll[(i, tuple(r.tokens))] for i, r in runs)
+    return {
+        "lossless": method in LOSSLESS,
+        "runs": len(runs),
+        "decode_tps": round(statistics.median(r.tps for _, r in runs), 3),
+        "prefill_s": round(statistics.median(r.prefill for _, r in runs), 4),
+        "speedup": round(statistics.median(ratios), 3),
+        "speedup_min": round(min(ratios), 3),
+        "speedup_max": round(max(ratios), 3),
+        "tokens_per_pass": round(statistics.mean(len(r.tokens) / r.steps for _, r in runs), 3),
+        "accepted_histogram": hist,
+        "repetition": round(statistics.mean(repetition_ratio(r.tokens) for _, r in runs), 4),
+        "identical_to_ar": round(sum(r.tokens == a.tokens for r, a in pairs) / len(pairs), 3),
+        "mean_common_prefix": round(
+            statistics.mean(common_prefix(r.tokens, a.tokens) for r, a in pairs), 1
+        ),
+        "perplexity": round(math.exp(total_nll / max(n_tokens, 1)), 3),
+        "peak_memory_gb": round(max(r.peak for _, r in runs) / 1e9, 3),
+    }
+
+
+# -- memory -------------------------------------------------------------------
+
+
+def peak_memory_source() -> str:
+    if hasattr(mx, "get_peak_memory") and hasattr(mx, "reset_peak_memory"):
+        return "mlx.get_peak_memory: MLX memory in use, weights included, reset per run"
+    return "resource max RSS: the process's peak so far, cannot be reset per run"
+
+
+def reset_peak_memory() -> None:
+    if hasattr(mx, "reset_peak_memory"):
+        mx.reset_peak_memory()
+
+
+def peak_memory() -> float:
+    """Bytes: MLX's peak since the last reset, or the process's max RSS."""
+    if hasattr(mx, "get_peak_memory"):
+        return float(mx.get_peak_memory())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(rss if sys.platform == "darwin" else rss * 1024)  # macOS: bytes, Linux: KiB
