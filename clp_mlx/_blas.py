@@ -5,6 +5,9 @@ about 5 GFLOP/s. OpenBLAS, loaded with RTLD_GLOBAL before ``mlx.core``
 resolves its BLAS symbols, reaches 100-180 GFLOP/s on the same machine: the
 difference between a usable and an unusable CPU backend. On macOS MLX uses
 Accelerate and Metal, so nothing is done there.
+
+``CLP_MLX_BLAS=<library>`` loads another CBLAS instead (e.g. BLIS's
+``libblis.so.4``, whose matrix-vector kernels are faster here; see the README).
 """
 
 import ctypes
@@ -26,7 +29,8 @@ def preload_openblas() -> bool:
     global loaded
     if loaded or sys.platform != "linux" or os.environ.get("CLP_MLX_NO_OPENBLAS"):
         return loaded
-    for name in ("libopenblas.so.0", "libopenblas.so"):
+    choice = os.environ.get("CLP_MLX_BLAS")
+    for name in [choice] if choice else ["libopenblas.so.0", "libopenblas.so"]:
         try:
             ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
         except OSError:
