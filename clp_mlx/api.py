@@ -108,7 +108,8 @@ def stream_generate(
     """Yield a :class:`Response` per token; the last one has a finish reason.
 
     ``feed="clp"`` (greedy verify) feeds only the drafts CLP expects to be
-    accepted: same output, cheaper steps when acceptance is rare.
+    accepted; ``feed="cost"`` the number with the most expected tokens per
+    unit of pass time (see :mod:`clp_mlx.feed`). Same output either way.
 
     ``temp`` 0 is greedy; above 0, tokens are sampled (``top_p``/``top_k``
     as in mlx-lm; ``seed`` None follows ``mx.random.seed``). ``verify``

@@ -21,10 +21,10 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from .decode import MODES, DecodeStats, decode
 from .errors import ClpError
 
-OURS = (*MODES, "verify-clp")  # verify-clp: verify feeding only CLP's count
+OURS = (*MODES, "verify-clp", "verify-cost")  # verify with feed="clp" / feed="cost"
 PEERS = ("mlx-lm", "mlx-lm-draft")
 METHODS = (*OURS, *PEERS)
-LOSSLESS = ("ar", "verify", "verify-clp", *PEERS)  # greedy: token for token as ar
+LOSSLESS = ("ar", "verify", "verify-clp", "verify-cost", *PEERS)  # greedy: token for token as ar
 DEFAULT_MODES = ("ar", "verify", "clp", "fixed")
 WARMUP_TOKENS = 8
 
@@ -48,8 +48,7 @@ class Run:
 def _ours(model, heads, ids, mode, max_tokens):
     k = heads.k if heads is not None and mode != "ar" else 0
     stats = DecodeStats(mode, k)
-    feed = "clp" if mode == "verify-clp" else "all"
-    kind = "verify" if mode == "verify-clp" else mode
+    kind, _, feed = mode.partition("-") if mode.startswith("verify-") else (mode, "", "all")
     gen = decode(ids, model, heads, mode=kind, max_tokens=max_tokens, stats=stats, feed=feed)
     return (t for t, _ in gen), lambda: (stats.steps, list(stats.accepted))
 

@@ -45,7 +45,7 @@ def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
         return unchecked_step(model, heads, tokens, cache, "clp", k)
 
     def verify(tokens):
-        return verify_step(model, heads, tokens, cache, tokens.size - 1)
+        return verify_step(model, heads, tokens, cache, tokens.size - 1)[0]
 
     configs = {f"backbone x{n}": (plain, n) for n in range(1, k + 2)}
     configs["clp step (1 fed)"] = (clp_step, 1)

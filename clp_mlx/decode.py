@@ -54,10 +54,12 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .backbone import hidden_states, project
 from .errors import ClpError
+from .feed import best_feed, pass_costs
 from .heads import MTPBundle
 from .sampling import Sampling, accept_drafts, draw, log_probs
 
 MODES = ("ar", "clp", "fixed", "gate", "prior-mtp", "verify")
+FEEDS = ("all", "clp", "cost")  # how many drafts greedy verify feeds; see _verify
 PREFILL_STEP = 2048  # as mlx-lm: long prompts are fed in chunks to bound memory
 
 _stream = mx.new_stream(mx.default_device())
@@ -143,8 +145,8 @@ def decode(
         raise ClpError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if mode != "ar" and heads is None:
         raise ClpError(f"mode {mode!r} needs heads (pass --heads, or --heads init)")
-    if feed not in ("all", "clp"):
-        raise ClpError(f"feed must be 'all' or 'clp', got {feed!r}")
+    if feed not in FEEDS:
+        raise ClpError(f"feed must be one of {', '.join(FEEDS)}, got {feed!r}")
     if mode == "prior-mtp" and "head0" not in heads:
         raise ClpError("mode 'prior-mtp' needs heads with a head 0")
     k = heads.k if heads is not None and mode != "ar" else 0
@@ -260,7 +262,10 @@ def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, sta
 
 
 def verify_step(model, heads, tokens, cache, m: int):
-    """One greedy verify step over ``tokens`` = [t, m drafts]: [b (m+1), a, k drafts, CLP's n]."""
+    """One greedy verify step over ``tokens`` = [t, m drafts].
+
+    Returns [b (m+1), a, k drafts, CLP's n] and CLP's probabilities (k+1,).
+    """
     h = hidden_states(model, tokens, cache)  # (m+1, d)
     b = greedy(project(model, h))  # the backbone's choice after each position
     if m:
@@ -273,19 +278,27 @@ def verify_step(model, heads, tokens, cache, m: int):
     # Only the last accepted position drafts the next step; CLP says there
     # how many of its drafts are worth feeding.
     d = _draft_tokens(model, heads, h[a][None], b[a][None])[0]
-    n = heads.clp_length(h[a])
-    return mx.concatenate([b, a[None].astype(b.dtype), d, n[None].astype(b.dtype)])
+    logits = heads.clp(h[a])
+    n = mx.argmax(logits)
+    out = mx.concatenate([b, a[None].astype(b.dtype), d, n[None].astype(b.dtype)])
+    return out, mx.softmax(logits)
 
 
 def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all"):
-    """Lossless: check last step's drafts in the pass that feeds them."""
+    """Lossless: check last step's drafts in the pass that feeds them.
+
+    ``feed``: "all" feeds every draft; "clp" as many as CLP predicts will
+    pass; "cost" the count with the most expected tokens per pass time
+    (:mod:`clp_mlx.feed`). The output is the same whichever is chosen.
+    """
+    costs = pass_costs(model, n_draft + 1) if feed == "cost" else None
 
     def step(tokens, m):
         return verify_step(model, heads, tokens, cache, m)
 
     produced = 0
     fed = [None]  # what the pending pass feeds: token t, then its drafts
-    out = step(y, 0)
+    out, probs = step(y, 0)
     while True:
         host = out.tolist()
         m = len(fed) - 1
@@ -300,9 +313,11 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all"):
             m_next = min(n_draft, max_tokens - produced - 1)
             if feed == "clp":
                 m_next = min(m_next, n_clp)
+            elif feed == "cost":
+                m_next = best_feed(probs.tolist(), costs, m_next)
             fed = [b[a]] + drafts[:m_next]
-            out = step(mx.array(fed, dtype=mx.uint32), m_next)
-            mx.async_eval(out)
+            out, probs = step(mx.array(fed, dtype=mx.uint32), m_next)
+            mx.async_eval(out, probs)
         for i, tok in enumerate(committed):
             yield tok, i < a
         if produced >= max_tokens:

@@ -11,7 +11,7 @@ import sys
 from . import backbone
 from .api import load, print_stats, stream_generate
 from .cli import run
-from .decode import MODES
+from .decode import FEEDS, MODES
 from .errors import ClpError
 from .sampling import Sampling
 
@@ -44,9 +44,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--verify-feed",
-        choices=("all", "clp"),
+        choices=FEEDS,
         default="all",
-        help="verify: feed every draft, or only as many as CLP expects to be accepted",
+        help="verify: feed every draft (all), as many as CLP expects to be accepted (clp), "
+        "or the count with the most expected tokens per pass time (cost; times a few "
+        "passes at start)",
     )
     add_sampling_args(p)
     p.add_argument("--system-prompt", default=None, help="system message; implies --chat-template")

@@ -273,3 +273,40 @@ def test_verify_feeding_only_what_clp_expects_is_still_exact():
     heads.clp.bias = mx.array([0.0, 0.0, 3.0, 0.0])  # CLP: "2 drafts will pass"
     assert run(prompt, model, heads, mode="verify", max_tokens=40, stats=fed_clp, feed="clp") == ar
     assert fed_clp.accepted[3] == 0 < fed_all.accepted[3]  # never fed a third draft
+
+
+def test_cost_feed_picks_the_best_rate():
+    from clp_mlx.feed import best_feed
+
+    flat = [1.0, 1.0, 1.0, 1.0]  # wide passes free: feed everything that may pass
+    assert best_feed([0.1, 0.2, 0.3, 0.4], flat, 3) == 3
+    steep = [1.0, 1.3, 1.6, 1.9]
+    assert best_feed([0.9, 0.05, 0.03, 0.02], steep, 3) == 0  # drafts rarely pass
+    # P(L>=1) = 0.8, P(L>=2) = 0.6, P(L>=3) = 0.1: rates 1, 1.38, 1.5, 1.37
+    assert best_feed([0.2, 0.2, 0.5, 0.1], steep, 3) == 2
+    assert best_feed([0.2, 0.2, 0.5, 0.1], steep, 1) == 1  # capped by max_tokens
+
+
+def test_verify_feeding_by_cost_is_still_exact(monkeypatch):
+    import clp_mlx.decode as dec
+
+    k = 3
+    model = orthonormal_output(tiny_model(3, vocab=48, tied=False))
+    prompt = prompt_of(4, 21, vocab=48)
+    ar = run(prompt, model, mode="ar", max_tokens=40)
+    heads = NoisyOracle(init_heads(model, k).config)
+    heads.setup(model, prompt, ar, p_wrong=0.25, seed=3)
+    heads.clp.weight = mx.zeros_like(heads.clp.weight)
+    heads.clp.bias = mx.array([0.0, 0.0, 3.0, 0.0])  # CLP: "2 drafts will pass"
+    monkeypatch.setattr(dec, "pass_costs", lambda model, n: [1.0, 1.1, 1.2, 5.0][:n])
+    stats = DecodeStats("verify", k)
+    assert run(prompt, model, heads, mode="verify", max_tokens=40, stats=stats, feed="cost") == ar
+    assert stats.accepted[3] == 0 < stats.accepted[2]  # a 4-token pass never paid off
+
+
+def test_pass_costs_are_measured_once_per_model(model):
+    from clp_mlx.feed import pass_costs
+
+    costs = pass_costs(model, 3, context=8, repeats=1)
+    assert len(costs) == 3 and all(c > 0 for c in costs)
+    assert pass_costs(model, 2) == costs[:2]  # remembered, not measured again
