@@ -124,3 +124,36 @@ def test_chained_heads_draft_in_turn(model):
     assert not mx.array_equal(
         heads.draft_hidden(h, embed(model, other)), heads.draft_hidden(h, embed(model, before))
     ).item()
+
+
+def test_packaging_heads_halves_them_and_keeps_the_report(model, tmp_path):
+    import importlib.util
+
+    from clp_mlx.heads import load_heads, save_heads
+
+    spec = importlib.util.spec_from_file_location(
+        "heads_to_package", Path(__file__).parents[1] / "convert" / "heads_to_package.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    heads = random_heads(model, 2, seed=3, scale=0.5, design="chain")
+    src = save_heads(heads, tmp_path / "trained")
+    with pytest.raises(ClpError, match="training.json"):
+        tool.package_heads(src, "qwen2.5-coder-0.5b-instruct", tmp_path / "shipped")
+    (src / "training.json").write_text('{"command": "python -m clp_mlx.train ..."}')
+    with pytest.raises(ClpError, match="not a named default model"):
+        tool.package_heads(src, "my-model", tmp_path / "shipped")
+    dest = tool.package_heads(src, "qwen2.5-coder-0.5b-instruct", tmp_path / "shipped")
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "heads.json",
+        "heads.safetensors",
+        "training.json",
+    ]
+    assert all(
+        v.dtype == mx.float16
+        for v in mx.load(str(dest / "heads.safetensors")).values()
+        if v.ndim > 1
+    )
+    loaded = load_heads(dest, model)  # back in the backbone's dtype
+    assert loaded.heads[0].fuse.weight.dtype == model.model.norm.weight.dtype
+    assert mx.allclose(loaded.heads[1].fuse.weight, heads.heads[1].fuse.weight, atol=1e-2).item()
