@@ -46,14 +46,15 @@ class TrainConfig:
 class Positions:
     """Flat view of the cached features: position t and its k futures."""
 
-    def __init__(self, tokens, hidden, greedy_ids, k, start: int = 0):
+    def __init__(self, tokens, hidden, greedy_ids, k, start: int = 0, rows=None):
         n, length = tokens.shape
         self.k = k
         self.hidden = hidden.reshape(n * length, -1)
         self.greedy = greedy_ids.reshape(-1)
         self.tokens = tokens.reshape(-1)
         t = np.arange(start, length - 1 - k)  # positions whose k futures lie in the row
-        self.index = (np.arange(n)[:, None] * length + t[None]).reshape(-1)
+        rows = np.arange(n) if rows is None else np.asarray(rows)
+        self.index = (rows[:, None] * length + t[None]).reshape(-1)
 
     def __len__(self):
         return self.index.size

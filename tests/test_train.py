@@ -53,6 +53,15 @@ def args(root, folder, text, out, steps=40, extra=()):
     ]
 
 
+def test_held_out_rows_are_whole_prompts_never_trained_on():
+    from clp_mlx.train import split_rows
+
+    train, held = split_rows(50, seed=0)
+    assert len(held) == 5 and not set(train) & set(held)
+    assert sorted([*train, *held]) == list(range(50))
+    assert (split_rows(50, seed=0)[1] == held).all()  # the same split on resume
+
+
 def test_clp_labels_are_the_longest_correct_prefix():
     correct = np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]])
     assert run_lengths(correct).tolist() == [2, 0, 4, 1]
@@ -67,6 +76,9 @@ def test_training_lowers_the_loss_and_writes_heads(setup):
     meta = json.loads((root / "heads" / "heads.json").read_text())
     assert meta["k"] == 2 and meta["gate_hidden"] > 0 and meta["head0"]
     assert sum(report["decisions"]["label_histogram"]) > 0
+    held = [h["held"] for h in report["history"]]  # agreement on held-out prompts
+    assert len(held[0]) == 2 and all(0 <= a <= 1 for h in held for a in h)
+    assert report["held_out_positions"] > 0
 
 
 def test_resume_after_interrupt_equals_uninterrupted_run(setup):
