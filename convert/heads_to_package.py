@@ -28,7 +28,18 @@ from clp_mlx.cli import guarded  # noqa: E402
 from clp_mlx.errors import ClpError  # noqa: E402
 
 SHIPPED = Path(__file__).resolve().parents[1] / "clp_mlx" / "shipped"
-REPORT_FILES = ("training.json", "training.png")
+
+
+def portable(value):
+    """The report with file paths cut to their names: the package names no
+    one's folders (``--data /x/y/wiki.train.raw`` -> ``--data wiki.train.raw``)."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    if isinstance(value, str) and "/" in value:
+        return " ".join(Path(w).name if "/" in w else w for w in value.split(" "))
+    return value
 
 
 def package_heads(src: Path, name: str, dest_root: Path = SHIPPED) -> Path:
@@ -51,10 +62,13 @@ def package_heads(src: Path, name: str, dest_root: Path = SHIPPED) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=dest_root))
     try:
         mx.save_safetensors(str(tmp / "heads.safetensors"), half)
-        shutil.copy(src / "heads.json", tmp / "heads.json")
-        for f in REPORT_FILES:
-            if (src / f).is_file():
-                shutil.copy(src / f, tmp / f)
+        meta = json.loads((src / "heads.json").read_text())
+        meta["backbone"] = name
+        (tmp / "heads.json").write_text(json.dumps(portable(meta), indent=1) + "\n")
+        report = json.loads((src / "training.json").read_text())
+        (tmp / "training.json").write_text(json.dumps(portable(report), indent=1) + "\n")
+        if (src / "training.png").is_file():
+            shutil.copy(src / "training.png", tmp / "training.png")
         dest = dest_root / name
         if dest.exists():
             shutil.rmtree(dest)

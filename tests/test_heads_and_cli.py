@@ -140,7 +140,7 @@ def test_packaging_heads_halves_them_and_keeps_the_report(model, tmp_path):
     src = save_heads(heads, tmp_path / "trained")
     with pytest.raises(ClpError, match="training.json"):
         tool.package_heads(src, "qwen2.5-coder-0.5b-instruct", tmp_path / "shipped")
-    (src / "training.json").write_text('{"command": "python -m clp_mlx.train ..."}')
+    (src / "training.json").write_text('{"command": "python -m clp_mlx.train --data /a/b/t.txt"}')
     with pytest.raises(ClpError, match="not a named default model"):
         tool.package_heads(src, "my-model", tmp_path / "shipped")
     dest = tool.package_heads(src, "qwen2.5-coder-0.5b-instruct", tmp_path / "shipped")
@@ -154,6 +154,8 @@ def test_packaging_heads_halves_them_and_keeps_the_report(model, tmp_path):
         for v in mx.load(str(dest / "heads.safetensors")).values()
         if v.ndim > 1
     )
+    report = json.loads((dest / "training.json").read_text())
+    assert report["command"] == "python -m clp_mlx.train --data t.txt"  # no one's folders
     loaded = load_heads(dest, model)  # back in the backbone's dtype
     assert loaded.heads[0].fuse.weight.dtype == model.model.norm.weight.dtype
     assert mx.allclose(loaded.heads[1].fuse.weight, heads.heads[1].fuse.weight, atol=1e-2).item()
