@@ -103,13 +103,14 @@ def stream_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
-    feed: str = "all",
+    feed: str = "cost",
 ):
     """Yield a :class:`Response` per token; the last one has a finish reason.
 
-    ``feed="clp"`` (greedy verify) feeds only the drafts CLP expects to be
-    accepted; ``feed="cost"`` the number with the most expected tokens per
-    unit of pass time (see :mod:`clp_mlx.feed`). Same output either way.
+    ``feed`` (greedy verify): "cost" (default) feeds the number of drafts
+    with the most expected tokens per unit of pass time (see
+    :mod:`clp_mlx.feed`; pass times are measured once per setup), "clp" only
+    the drafts CLP expects to be accepted, "all" every draft. Same output.
 
     ``temp`` 0 is greedy; above 0, tokens are sampled (``top_p``/``top_k``
     as in mlx-lm; ``seed`` None follows ``mx.random.seed``). ``verify``

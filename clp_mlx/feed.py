@@ -6,20 +6,57 @@ nearly the price of one token; on a CPU it is not (here, fp32 0.5B: 1.28x for
 correct drafts, feeding m drafts commits 1 + E[min(L, m)] tokens, and
 E[min(L, m)] = sum_{j<=m} P(L >= j). ``feed="cost"`` feeds the m that
 maximises committed tokens per unit of pass time. Pass costs are measured
-once per model (a few passes on a scratch cache) unless given.
+once per backbone, device and BLAS (a few passes on a scratch cache, about a
+second on the 0.5B) and kept in ``pass_costs.json`` in the model cache.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from .backbone import hidden_states, project
+from . import _blas
+from .backbone import hidden_states, project, signature
 
 _measured: dict[int, list[float]] = {}
+
+
+def _costs_file() -> Path:
+    from .sources import cache_root
+
+    return cache_root() / "pass_costs.json"
+
+
+def _setup_key(model) -> str:
+    """What pass times depend on: the backbone's weights and shape, dtype, device, BLAS."""
+    sig = signature(model)
+    blas = os.environ.get("CLP_MLX_BLAS") or ("openblas" if _blas.loaded else "default")
+    dtype = model.model.norm.weight.dtype
+    return f"{sig['fingerprint']}|{sig['num_layers']}x{sig['hidden_size']}|{dtype}|{mx.default_device()}|{blas}"
+
+
+def _read_costs() -> dict:
+    try:
+        return json.loads(_costs_file().read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: measure again
+
+
+def _write_costs(table: dict) -> None:
+    path = _costs_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only means measuring again next time
 
 
 def best_feed(probs: list[float], costs: list[float], m_max: int) -> int:
@@ -40,11 +77,16 @@ def best_feed(probs: list[float], costs: list[float], m_max: int) -> int:
 def pass_costs(model, widths: int, *, context: int = 64, repeats: int = 3) -> list[float]:
     """Seconds for a backbone pass (with projection) over 1..``widths`` tokens.
 
-    Measured once per model object and remembered; the median of ``repeats``
-    after one warm-up pass per width.
+    The median of ``repeats`` after one warm-up pass per width, measured once
+    per setup (see :func:`_setup_key`) and remembered in memory and on disk.
     """
     key = id(model)
     if key in _measured and len(_measured[key]) >= widths:
+        return _measured[key][:widths]
+    setup = _setup_key(model)
+    table = _read_costs()
+    if len(table.get(setup, [])) >= widths:
+        _measured[key] = table[setup]
         return _measured[key][:widths]
     cache = make_prompt_cache(model)
     hidden_states(model, mx.zeros((context,), dtype=mx.uint32), cache)
@@ -59,4 +101,5 @@ def pass_costs(model, widths: int, *, context: int = 64, repeats: int = 3) -> li
             for c in cache:
                 c.trim(n)
     _measured[key] = [statistics.median(t) for t in times]
+    _write_costs({**_read_costs(), setup: _measured[key]})
     return _measured[key]

@@ -45,10 +45,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--verify-feed",
         choices=FEEDS,
-        default="all",
-        help="verify: feed every draft (all), as many as CLP expects to be accepted (clp), "
-        "or the count with the most expected tokens per pass time (cost; times a few "
-        "passes at start)",
+        default="cost",
+        help="verify: feed the count of drafts with the most expected tokens per pass time "
+        "(cost, default; pass times measured once per setup), as many as CLP expects to be "
+        "accepted (clp), or every draft (all)",
     )
     add_sampling_args(p)
     p.add_argument("--system-prompt", default=None, help="system message; implies --chat-template")

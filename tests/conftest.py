@@ -103,3 +103,12 @@ def write_model_folder(folder, model):
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture(autouse=True)
+def _pass_costs_in_tmp(tmp_path, monkeypatch):
+    """Measured pass costs go to a test folder, never the user's model cache."""
+    import clp_mlx.feed as feed
+
+    monkeypatch.setattr(feed, "_costs_file", lambda: tmp_path / "pass_costs.json")
+    monkeypatch.setattr(feed, "_measured", {})

@@ -1,6 +1,7 @@
 """The decode step: lossless verify, oracle heads, cache trims, bad input."""
 
 import itertools
+import json
 
 import mlx.core as mx
 import pytest
@@ -304,9 +305,12 @@ def test_verify_feeding_by_cost_is_still_exact(monkeypatch):
     assert stats.accepted[3] == 0 < stats.accepted[2]  # a 4-token pass never paid off
 
 
-def test_pass_costs_are_measured_once_per_model(model):
-    from clp_mlx.feed import pass_costs
+def test_pass_costs_are_measured_once_per_setup(model, tmp_path):
+    import clp_mlx.feed as feed
 
-    costs = pass_costs(model, 3, context=8, repeats=1)
+    costs = feed.pass_costs(model, 3, context=8, repeats=1)
     assert len(costs) == 3 and all(c > 0 for c in costs)
-    assert pass_costs(model, 2) == costs[:2]  # remembered, not measured again
+    assert feed.pass_costs(model, 2) == costs[:2]  # remembered, not measured again
+    feed._measured.clear()  # a new process: the file in the model cache answers
+    assert feed.pass_costs(model, 3) == costs
+    assert list(json.loads(feed._costs_file().read_text()).values()) == [costs]
