@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -278,22 +279,30 @@ def save_heads(
     folder = Path(folder)
     if folder.exists() and not force:
         raise ClpError(f"{folder} exists; pass force=True (--force) to replace it")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
-    try:
+    with atomic_folder(folder) as tmp:
         weights = dict(tree_flatten(bundle.parameters()))
         mx.save_safetensors(str(tmp / "heads.safetensors"), weights)
         meta = asdict(bundle.config)
         if extra:
             meta["extra"] = extra
         (tmp / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return folder
+
+
+@contextmanager
+def atomic_folder(folder: Path):
+    """Yield a temporary sibling of ``folder``; on success it replaces ``folder``,
+    on any error it is removed: no half-written folder ever has the name."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    try:
+        yield tmp
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return folder
 
 
 def read_config(folder: str | Path) -> HeadsConfig:

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 # Let the script run from a checkout without installing the package.
@@ -45,7 +43,7 @@ def portable(value):
 def package_heads(src: Path, name: str, dest_root: Path = SHIPPED) -> Path:
     import mlx.core as mx
 
-    from clp_mlx.heads import read_config
+    from clp_mlx.heads import atomic_folder, read_config
     from clp_mlx.sources import NAMED_MODELS
 
     if name not in NAMED_MODELS:
@@ -58,9 +56,8 @@ def package_heads(src: Path, name: str, dest_root: Path = SHIPPED) -> Path:
         k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
         for k, v in weights.items()
     }
-    dest_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=dest_root))
-    try:
+    dest = dest_root / name
+    with atomic_folder(dest) as tmp:
         mx.save_safetensors(str(tmp / "heads.safetensors"), half)
         meta = json.loads((src / "heads.json").read_text())
         meta["backbone"] = name
@@ -69,13 +66,6 @@ def package_heads(src: Path, name: str, dest_root: Path = SHIPPED) -> Path:
         (tmp / "training.json").write_text(json.dumps(portable(report), indent=1) + "\n")
         if (src / "training.png").is_file():
             shutil.copy(src / "training.png", tmp / "training.png")
-        dest = dest_root / name
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(
         json.dumps(
             {

@@ -261,17 +261,27 @@ def test_draft_vocabulary_keeps_verify_exact_and_limits_drafts(model):
     assert drafted and all(t % 3 == 0 for t in drafted)
 
 
-def test_verify_feeding_only_what_clp_expects_is_still_exact():
-    k = 3
+def partly_right_setup(k=3):
+    """A model, a prompt, its ar output and k noisy-oracle heads (25% wrong)."""
     model = orthonormal_output(tiny_model(3, vocab=48, tied=False))
     prompt = prompt_of(4, 21, vocab=48)
     ar = run(prompt, model, mode="ar", max_tokens=40)
     heads = NoisyOracle(init_heads(model, k).config)
     heads.setup(model, prompt, ar, p_wrong=0.25, seed=3)
-    fed_all, fed_clp = DecodeStats("verify", k), DecodeStats("verify", k)
-    assert run(prompt, model, heads, mode="verify", max_tokens=40, stats=fed_all) == ar
+    return model, prompt, ar, heads
+
+
+def clp_says_two(heads):
     heads.clp.weight = mx.zeros_like(heads.clp.weight)
     heads.clp.bias = mx.array([0.0, 0.0, 3.0, 0.0])  # CLP: "2 drafts will pass"
+
+
+def test_verify_feeding_only_what_clp_expects_is_still_exact():
+    k = 3
+    model, prompt, ar, heads = partly_right_setup(k)
+    fed_all, fed_clp = DecodeStats("verify", k), DecodeStats("verify", k)
+    assert run(prompt, model, heads, mode="verify", max_tokens=40, stats=fed_all) == ar
+    clp_says_two(heads)
     assert run(prompt, model, heads, mode="verify", max_tokens=40, stats=fed_clp, feed="clp") == ar
     assert fed_clp.accepted[3] == 0 < fed_all.accepted[3]  # never fed a third draft
 
@@ -291,16 +301,10 @@ def test_cost_feed_picks_the_best_rate():
 def test_verify_feeding_by_cost_is_still_exact(monkeypatch):
     import clp_mlx.decode as dec
 
-    k = 3
-    model = orthonormal_output(tiny_model(3, vocab=48, tied=False))
-    prompt = prompt_of(4, 21, vocab=48)
-    ar = run(prompt, model, mode="ar", max_tokens=40)
-    heads = NoisyOracle(init_heads(model, k).config)
-    heads.setup(model, prompt, ar, p_wrong=0.25, seed=3)
-    heads.clp.weight = mx.zeros_like(heads.clp.weight)
-    heads.clp.bias = mx.array([0.0, 0.0, 3.0, 0.0])  # CLP: "2 drafts will pass"
+    model, prompt, ar, heads = partly_right_setup(3)
+    clp_says_two(heads)
     monkeypatch.setattr(dec, "pass_costs", lambda model, n: [1.0, 1.1, 1.2, 5.0][:n])
-    stats = DecodeStats("verify", k)
+    stats = DecodeStats("verify", 3)
     assert run(prompt, model, heads, mode="verify", max_tokens=40, stats=stats, feed="cost") == ar
     assert stats.accepted[3] == 0 < stats.accepted[2]  # a 4-token pass never paid off
 
