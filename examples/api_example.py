@@ -3,9 +3,10 @@
     python examples/api_example.py
     python examples/api_example.py --model path/to/model-folder --heads path/to/heads
 
-With the default ``--heads init`` the heads are untrained: the text is the
-backbone's own all the same (verify is lossless), only fewer drafts are
-accepted per backbone pass than with trained heads.
+By default the heads shipped with the named model are used (trained ones
+ship for Qwen2.5-Coder-0.5B-Instruct); for other models ``--heads init``
+gives untrained heads: the text is the backbone's own all the same (verify is
+lossless), only fewer drafts are accepted per backbone pass.
 """
 
 import argparse
@@ -16,10 +17,12 @@ from clp_mlx import generate, load, stream_generate
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None, help="default: qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--heads", default="init", help="a heads folder, or 'init'")
+    p.add_argument("--heads", default=None, help="a heads folder, or 'init' (default: shipped)")
     args = p.parse_args()
 
     model, tokenizer, heads = load(args.model, heads=args.heads)
+    if heads is None:  # no heads ship with this model
+        model, tokenizer, heads = load(args.model, heads="init")
     messages = [{"role": "user", "content": "Write a Python function that checks for palindromes."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
