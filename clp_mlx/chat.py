@@ -28,11 +28,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import backbone
-from .api import Response, load, stream_generate
+from .api import Response, stream_generate
 from .cli import run
 from .decode import MODES
 from .errors import ClpError
-from .generate import add_sampling_args, check_decode_args
+from .generate import add_sampling_args, check_decode_args, load_from_args
 
 HELP = f"""commands:
   q, /quit       leave (Ctrl-D too)
@@ -258,13 +258,7 @@ def main(argv=None) -> int:
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise ClpError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
     mx.random.seed(args.seed)  # each answer draws its sampling key from here
-    model, tokenizer, heads = load(
-        args.model,
-        args.heads,
-        dtype=args.dtype,
-        num_draft_tokens=args.num_draft_tokens,
-        seed=args.seed,
-    )
+    model, tokenizer, heads = load_from_args(args)
     if tokenizer.chat_template is None:
         raise ClpError("this model has no chat template; use clp_mlx.generate")
     mode = args.mode or ("verify" if heads is not None else "ar")

@@ -76,7 +76,12 @@ def extract(
 
 
 def continue_greedily(
-    model, prompts: np.ndarray, folder: Path, *, new_tokens: int, batch: int = 64,
+    model,
+    prompts: np.ndarray,
+    folder: Path,
+    *,
+    new_tokens: int,
+    batch: int = 64,
     progress: bool = True,
 ) -> Path:
     """Features of the backbone's own greedy continuations of ``prompts``.
@@ -104,8 +109,9 @@ def continue_greedily(
     tokens_path = folder / "tokens.npy"
     tokens = np.load(tokens_path) if tokens_path.exists() else np.zeros(meta["shape"], np.int32)
     tokens[:, :p_len] = prompts
-    for start in tqdm(range(0, n, batch), desc="greedy continuations", unit="batch",
-                      disable=not progress):
+    for start in tqdm(
+        range(0, n, batch), desc="greedy continuations", unit="batch", disable=not progress
+    ):
         target = folder / f"chunk{start:06d}.npz"
         if target.exists():
             continue

@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from . import _blas
 from .backbone import hidden_states, project, signature
 
-_measured: dict[int, list[float]] = {}
+_measured: dict[str, list[float]] = {}  # by setup, as on disk
 
 
 def _costs_file() -> Path:
@@ -80,13 +80,10 @@ def pass_costs(model, widths: int, *, context: int = 64, repeats: int = 3) -> li
     The median of ``repeats`` after one warm-up pass per width, measured once
     per setup (see :func:`_setup_key`) and remembered in memory and on disk.
     """
-    key = id(model)
-    if key in _measured and len(_measured[key]) >= widths:
-        return _measured[key][:widths]
-    setup = _setup_key(model)
-    table = _read_costs()
-    if len(table.get(setup, [])) >= widths:
-        _measured[key] = table[setup]
+    key = _setup_key(model)
+    if len(_measured.get(key, [])) < widths:
+        _measured[key] = _read_costs().get(key, [])
+    if len(_measured[key]) >= widths:
         return _measured[key][:widths]
     cache = make_prompt_cache(model)
     hidden_states(model, mx.zeros((context,), dtype=mx.uint32), cache)
@@ -101,5 +98,5 @@ def pass_costs(model, widths: int, *, context: int = 64, repeats: int = 3) -> li
             for c in cache:
                 c.trim(n)
     _measured[key] = [statistics.median(t) for t in times]
-    _write_costs({**_read_costs(), setup: _measured[key]})
+    _write_costs({**_read_costs(), key: _measured[key]})
     return _measured[key]

@@ -76,6 +76,18 @@ def check_decode_args(args: argparse.Namespace) -> None:
         raise ClpError(f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}")
 
 
+def load_from_args(args: argparse.Namespace):
+    """Model, tokenizer and heads as --model, --heads, --dtype, --num-draft-tokens
+    and --seed ask (shared with the chat)."""
+    return load(
+        args.model,
+        args.heads,
+        dtype=args.dtype,
+        num_draft_tokens=args.num_draft_tokens,
+        seed=args.seed,
+    )
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """--temp, --top-p, --top-k, --seed: shared with the chat."""
     p.add_argument(
@@ -110,13 +122,7 @@ def main(argv=None) -> int:
     check_decode_args(args)
     if args.prompt is None:
         raise ClpError("no prompt: pass --prompt/-p TEXT (or '-' to read stdin)")
-    model, tokenizer, heads = load(
-        args.model,
-        args.heads,
-        dtype=args.dtype,
-        num_draft_tokens=args.num_draft_tokens,
-        seed=args.seed,
-    )
+    model, tokenizer, heads = load_from_args(args)
     prompt = _prompt_tokens(args, tokenizer)
     last = None
     for last in stream_generate(
