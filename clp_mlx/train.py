@@ -56,16 +56,21 @@ def fit_small(module, loss_fn, data: dict, steps: int = 300, lr: float = 3e-3, s
     return loss.item()
 
 
-def train_decisions(model, bundle, data: Positions, seed: int, steps: int) -> dict:
-    """CLP and the gate, trained on the frozen heads' drafts at ``data``
-    (the held-out rows: their labels must reflect unseen text)."""
-    idx = np.random.default_rng([seed, 1]).choice(
-        len(data), min(len(data), 4 * SMALL_SAMPLE), replace=False
-    )
+def scored_drafts(model, bundle, data: Positions, n: int, seed: list):
+    """The heads' drafts at ``n`` positions of ``data`` drawn with ``seed``:
+    the positions, and per head whether the draft equals the backbone's
+    greedy token and the text's token there, both (n, k)."""
+    idx = np.random.default_rng(seed).choice(len(data), min(len(data), n), replace=False)
     drafts = head_drafts(model, bundle, data, idx)
     at = data.index[idx]
     ahead = at[:, None] + np.arange(1, bundle.k + 1)[None]
-    agree = drafts == data.greedy[ahead]
+    return at, drafts == data.greedy[ahead], drafts == data.tokens[ahead + 1]
+
+
+def train_decisions(model, bundle, data: Positions, seed: int, steps: int) -> dict:
+    """CLP and the gate, trained on the frozen heads' drafts at ``data``
+    (the held-out rows: their labels must reflect unseen text)."""
+    at, agree, truth = scored_drafts(model, bundle, data, 4 * SMALL_SAMPLE, [seed, 1])
     label = run_lengths(agree)
     h = mx.array(data.hidden[at], dtype=mx.float32)
     bundle.freeze()
@@ -89,7 +94,6 @@ def train_decisions(model, bundle, data: Positions, seed: int, steps: int) -> di
         targets = {"h": h, "y": mx.array(agree.astype(np.float32))}
         out["gate_loss"] = fit_small(bundle, gate_loss, targets, steps, seed=seed)
     bundle.unfreeze()
-    truth = drafts == data.tokens[ahead + 1]
     out["agree_with_greedy"] = agree.mean(axis=0).round(4).tolist()
     out["agree_with_text"] = truth.mean(axis=0).round(4).tolist()
     out["mean_run_greedy"] = float(run_lengths(agree).mean())
@@ -99,25 +103,20 @@ def train_decisions(model, bundle, data: Positions, seed: int, steps: int) -> di
 
 def evaluate(model, bundle, data: Positions, seed: int = 0, n: int = SMALL_SAMPLE) -> dict:
     """Top-1 of each head vs the backbone's greedy and vs the text; CLP's confusion."""
-    idx = np.random.default_rng([seed, 2]).choice(len(data), min(len(data), n), replace=False)
-    drafts = head_drafts(model, bundle, data, idx)
-    at = data.index[idx]
-    ahead = at[:, None] + np.arange(1, bundle.k + 1)[None]
-    agree = drafts == data.greedy[ahead]
-    truth = drafts == data.tokens[ahead + 1]
+    at, agree, truth = scored_drafts(model, bundle, data, n, [seed, 2])
     label = run_lengths(agree)
     pred = np.array(bundle.clp_length(mx.array(data.hidden[at], dtype=mx.float32)))
     confusion = np.zeros((bundle.k + 1, bundle.k + 1), dtype=int)
     np.add.at(confusion, (label, pred), 1)
     backbone_acc = float((data.greedy[at] == data.tokens[at + 1]).mean())
     return {
-        "positions": int(idx.size),
+        "positions": int(at.size),
         "head_top1_vs_greedy": agree.mean(axis=0).round(4).tolist(),
         "head_top1_vs_text": truth.mean(axis=0).round(4).tolist(),
         "backbone_top1_vs_text": round(backbone_acc, 4),
         "expected_tokens_per_pass_verify": round(1 + float(label.mean()), 3),
         "clp_confusion_rows_label_cols_pred": confusion.tolist(),
-        "clp_accuracy": round(float(np.trace(confusion) / idx.size), 4),
+        "clp_accuracy": round(float(np.trace(confusion) / at.size), 4),
     }
 
 
@@ -139,8 +138,9 @@ def split_rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.sort(order[held:]), np.sort(order[:held])
 
 
-def features_for(model, tokenizer, args, folder: Path, k: int, rows=None) -> Positions:
-    """Backbone features for ``args.data``, extracted once into ``folder``."""
+def features_for(model, tokenizer, args, folder: Path, k: int, split: bool = False):
+    """Backbone features for ``args.data``, extracted once into ``folder``:
+    all their positions, or (``split``) those of the training and held-out rows."""
     if args.source == "text":
         tokens = tokenize_files(
             tokenizer, args.data, seq_len=args.seq_len, max_tokens=args.max_tokens
@@ -153,7 +153,12 @@ def features_for(model, tokenizer, args, folder: Path, k: int, rows=None) -> Pos
         text = tokenize_files(tokenizer, args.data, seq_len=span, max_tokens=n * span)
         continue_greedily(model, text[:, : args.prompt_tokens], folder, new_tokens=args.new_tokens)
     tokens, hidden, greedy_ids, start = load_features(folder)
-    if rows == "split":
+    if tokens.shape[1] - max(start, 0) <= k + 1:
+        raise ClpError(
+            f"rows of {tokens.shape[1]} tokens leave no position with {k} drafts to learn; "
+            "raise --new-tokens (or --seq-len) above k + 1"
+        )
+    if split:
         train, held = split_rows(tokens.shape[0], args.seed)
         return tuple(Positions(tokens, hidden, greedy_ids, k, start, r) for r in (train, held))
     return Positions(tokens, hidden, greedy_ids, k, start)
@@ -197,6 +202,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv=None, *, stop_after: int | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
+    for name in ("prompt_tokens", "new_tokens", "seq_len", "max_tokens", "k", "steps", "batch"):
+        if getattr(args, name) < 1:
+            raise ClpError(f"--{name.replace('_', '-')} must be at least 1")
     from .api import load
 
     if args.eval:
@@ -225,7 +233,7 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
     t0 = time.perf_counter()
     model, tokenizer, _ = load(args.model, None)
     work = Path(args.work_dir or f"{args.out}.work")
-    data, held = features_for(model, tokenizer, args, work / "features", cfg.k, rows="split")
+    data, held = features_for(model, tokenizer, args, work / "features", cfg.k, split=True)
     t_features = elapsed(t0)
     vocab_ids = draft_vocabulary(data.greedy, cfg.draft_vocab, model.args.vocab_size)
     coverage = float(np.isin(data.greedy, vocab_ids).mean())
@@ -261,12 +269,9 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
 
 def held_agreement(trainer: HeadTrainer, held: Positions) -> list:
     """Each head's agreement with greedy decoding on held-out prompts."""
-    idx = np.random.default_rng([trainer.cfg.seed, 4]).choice(
-        len(held), min(len(held), HELD_SAMPLE), replace=False
-    )
-    drafts = head_drafts(trainer.model, trainer.bundle, held, idx)
-    ahead = held.index[idx][:, None] + np.arange(1, trainer.bundle.k + 1)[None]
-    return (drafts == held.greedy[ahead]).mean(axis=0).round(4).tolist()
+    seed = [trainer.cfg.seed, 4]
+    _, agree, _ = scored_drafts(trainer.model, trainer.bundle, held, HELD_SAMPLE, seed)
+    return agree.mean(axis=0).round(4).tolist()
 
 
 def _train_loop(trainer: HeadTrainer, work: Path, stop_after: int | None, held) -> list:

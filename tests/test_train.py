@@ -100,7 +100,14 @@ def test_bad_training_input(setup, tmp_path):
     with pytest.raises(ClpError, match="does not exist"):
         main(args(root, folder, tmp_path / "missing.txt", "x"))
     with pytest.raises(ClpError, match="exists"):
-        main(args(root, folder, text, "heads"))
+        main(args(root, folder, text, str(tmp_path)))  # an existing folder, without --force
+    with pytest.raises(ClpError, match="--prompt-tokens must be at least 1"):
+        main(args(root, folder, text, "y", extra=["--prompt-tokens", "0"]))
+    with pytest.raises(ClpError, match="raise --new-tokens"):
+        main(
+            args(root, folder, text, "z", extra=["--new-tokens", "2", "--work-dir", str(tmp_path)])
+        )
+    assert not (root / "z").exists()
 
 
 def test_greedy_continuations_are_what_plain_decoding_writes(tmp_path):
