@@ -42,7 +42,7 @@ def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
         return greedy(backbone.project(model, backbone.hidden_states(model, tokens, cache)))
 
     def clp_step(tokens):
-        return unchecked_step(model, heads, tokens, cache, "clp", k)
+        return unchecked_step(model, heads, tokens, cache, "clp", k)[0]
 
     def verify(tokens):
         return verify_step(model, heads, tokens, cache, tokens.size - 1)[0]

@@ -21,6 +21,12 @@ Modes:
                With ``feed="clp"`` (greedy only) a step feeds just the drafts
                CLP expects to pass.
 
+Context drafts (greedy clp and verify, heads fitted with ``lookup``): when
+the last tokens occurred before in prompt + output, the drafts are copied
+from what followed them (:mod:`clp_mlx.lookup`) instead of the heads', and
+CLP's scores get the row for that match length. The copy happens on the
+host between passes, where the step's tokens are read anyway.
+
 Sampling (``temp > 0``; ``temp == 0`` is the greedy path above, unchanged).
 p is the backbone's distribution and q_i head i's, both through the same
 temperature/top-p/top-k transform (:func:`clp_mlx.sampling.log_probs`):
@@ -46,6 +52,7 @@ evaluation per step, a seed fixes the tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -56,6 +63,7 @@ from .backbone import hidden_states, project
 from .errors import ClpError
 from .feed import best_feed, pass_costs
 from .heads import MTPBundle
+from .lookup import ContextDrafter
 from .sampling import Sampling, accept_drafts, draw, log_probs
 
 MODES = ("ar", "clp", "fixed", "gate", "prior-mtp", "verify")
@@ -119,6 +127,7 @@ def decode(
     gate_threshold: float = 0.5,
     sampling: Sampling | None = None,
     feed: str = "all",
+    lookup: bool | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` pairs, one backbone pass per step.
 
@@ -129,6 +138,8 @@ def decode(
     ``sampling``: None or temp 0 decodes greedily. The generator never
     prints; stop it early by closing it (EOS is the caller's business, as in
     mlx-lm).
+    ``lookup``: context drafts on/off for greedy clp and verify; None uses
+    them when the heads were fitted with them.
 
     The step after the tokens being yielded is already queued, so when the
     caller stops, ``prompt_cache`` may hold tokens beyond those it received
@@ -158,20 +169,33 @@ def decode(
 
     greedy_path = sampling is None or sampling.greedy
     choose = greedy if greedy_path else _Sampler(sampling)
+    ctx = None
+    if greedy_path and mode in ("clp", "verify") and heads.config.lookup and lookup is not False:
+        ctx = ContextDrafter(prompt.tolist(), heads.config.lookup)
 
     with mx.stream(_stream):
         last = prefill(model, prompt, cache)
         if mode == "ar":
             yield from _ar(model, last, cache, max_tokens, stats, choose)
         elif mode == "verify" and greedy_path:
-            yield from _verify(model, heads, last, cache, max_tokens, n_draft, stats, feed)
+            yield from _verify(model, heads, last, cache, max_tokens, n_draft, stats, feed, ctx)
         elif mode == "verify":
             yield from _verify_sampled(
                 model, heads, last, cache, max_tokens, n_draft, stats, choose
             )
         else:
             yield from _unchecked(
-                model, heads, last, cache, max_tokens, n_draft, mode, gate_threshold, stats, choose
+                model,
+                heads,
+                last,
+                cache,
+                max_tokens,
+                n_draft,
+                mode,
+                gate_threshold,
+                stats,
+                choose,
+                ctx,
             )
 
 
@@ -222,7 +246,8 @@ def _draft_tokens(model, heads, h, b, choose=greedy):
 
 
 def unchecked_step(model, heads, tokens, cache, mode, n_draft, threshold=0.5, choose=greedy):
-    """One clp / fixed / gate / prior-mtp step: [b, k drafts, n to commit]."""
+    """One clp / fixed / gate / prior-mtp step: [b, k drafts, n to commit],
+    and (clp, prior-mtp) CLP's scores, for a host that copies drafts."""
     h = hidden_states(model, tokens, cache)[-1:]  # only the last position drafts
     first = heads.head0(h) if mode == "prior-mtp" else h
     b = choose(project(model, first))
@@ -232,28 +257,36 @@ def unchecked_step(model, heads, tokens, cache, mode, n_draft, threshold=0.5, ch
     elif mode == "gate":
         n = mx.minimum(heads.gate_length(h, threshold), n_draft)
     else:  # clp, prior-mtp
-        n = mx.minimum(heads.clp_length(h), n_draft)
-    return mx.concatenate([b, d[0], n.astype(b.dtype)])
+        logits = heads.clp_logits(h[0])
+        n = mx.minimum(mx.argmax(logits), n_draft)[None]
+        return mx.concatenate([b, d[0], n.astype(b.dtype)]), logits
+    return mx.concatenate([b, d[0], n.astype(b.dtype)]), None
 
 
-def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, stats, choose):
+def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, stats, choose, ctx):
     """clp / fixed / gate / prior-mtp: commit drafts without checking them."""
 
     def step(tokens):
         return unchecked_step(model, heads, tokens, cache, mode, n_draft, threshold, choose)
 
     produced = 0
-    out = step(y)
+    out, logits = step(y)
     while True:
         host = out.tolist()
         b, drafts, n = host[0], host[1:-1], host[-1]
+        if ctx is not None:
+            ctx.extend([b])
+            drafts, scores = _context_drafts(ctx, heads, drafts, logits)
+            n = min(max(range(len(scores)), key=scores.__getitem__), n_draft)
         n = min(n, max_tokens - produced - 1)
         committed = [b] + drafts[:n]
+        if ctx is not None:
+            ctx.extend(drafts[:n])
         produced += len(committed)
         stats.record(len(committed), n)
         if produced < max_tokens:
-            out = step(mx.array(committed, dtype=mx.uint32))
-            mx.async_eval(out)
+            out, logits = step(mx.array(committed, dtype=mx.uint32))
+            mx.async_eval(out, logits) if logits is not None else mx.async_eval(out)
         yield b, mode == "prior-mtp"
         for tok in drafts[:n]:
             yield tok, True
@@ -264,7 +297,7 @@ def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, sta
 def verify_step(model, heads, tokens, cache, m: int):
     """One greedy verify step over ``tokens`` = [t, m drafts].
 
-    Returns [b (m+1), a, k drafts, CLP's n] and CLP's probabilities (k+1,).
+    Returns [b (m+1), a, k drafts, CLP's n] and CLP's scores (k+1,).
     """
     h = hidden_states(model, tokens, cache)  # (m+1, d)
     b = greedy(project(model, h))  # the backbone's choice after each position
@@ -278,13 +311,27 @@ def verify_step(model, heads, tokens, cache, m: int):
     # Only the last accepted position drafts the next step; CLP says there
     # how many of its drafts are worth feeding.
     d = _draft_tokens(model, heads, h[a][None], b[a][None])[0]
-    logits = heads.clp(h[a])
+    logits = heads.clp_logits(h[a])
     n = mx.argmax(logits)
     out = mx.concatenate([b, a[None].astype(b.dtype), d, n[None].astype(b.dtype)])
-    return out, mx.softmax(logits)
+    return out, logits
 
 
-def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all"):
+def _softmax(scores: list) -> list:
+    top = max(scores)
+    e = [math.exp(s - top) for s in scores]
+    return [x / sum(e) for x in e]
+
+
+def _context_drafts(ctx, heads, drafts: list, logits: mx.array):
+    """The context's drafts if it has a match, else the heads'; and CLP's
+    scores for them: its scores at h plus the row for the match length."""
+    copied, match = ctx.propose(len(drafts))
+    scores = (logits + heads.clp_context[match]).tolist()
+    return (copied if match else drafts), scores
+
+
+def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=None):
     """Lossless: check last step's drafts in the pass that feeds them.
 
     ``feed``: "all" feeds every draft; "clp" as many as CLP predicts will
@@ -298,11 +345,11 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all"):
 
     produced = 0
     fed = [None]  # what the pending pass feeds: token t, then its drafts
-    out, probs = step(y, 0)
+    out, logits = step(y, 0)
     while True:
         host = out.tolist()
         m = len(fed) - 1
-        b, a, drafts, n_clp = host[: m + 1], host[m + 1], host[m + 2 : -1], host[-1]
+        b, a, drafts = host[: m + 1], host[m + 1], host[m + 2 : -1]
         committed = fed[1 : 1 + a] + [b[a]]
         committed = committed[: max_tokens - produced]
         trim_prompt_cache(cache, m - a)  # rejected drafts leave the cache
@@ -311,13 +358,18 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all"):
         if produced < max_tokens:
             # Never draft past max_tokens: the extra positions would be wasted.
             m_next = min(n_draft, max_tokens - produced - 1)
+            if ctx is not None:
+                ctx.extend(committed)
+                drafts, scores = _context_drafts(ctx, heads, drafts, logits)
+            elif feed != "all":
+                scores = logits.tolist()
             if feed == "clp":
-                m_next = min(m_next, n_clp)
+                m_next = min(m_next, max(range(len(scores)), key=scores.__getitem__))
             elif feed == "cost":
-                m_next = best_feed(probs.tolist(), costs, m_next)
+                m_next = best_feed(_softmax(scores), costs, m_next)
             fed = [b[a]] + drafts[:m_next]
-            out, probs = step(mx.array(fed, dtype=mx.uint32), m_next)
-            mx.async_eval(out, probs)
+            out, logits = step(mx.array(fed, dtype=mx.uint32), m_next)
+            mx.async_eval(out, logits)
         for i, tok in enumerate(committed):
             yield tok, i < a
         if produced >= max_tokens:

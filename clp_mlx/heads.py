@@ -101,6 +101,7 @@ class HeadsConfig:
     gate_hidden: int = 0  # 0: no gate baseline in this bundle
     head0: bool = False  # the prior-MTP baseline's competing t+1 head
     draft_vocab: int = 0  # >0: heads draft only from this many frequent tokens (FR-Spec)
+    lookup: int = 0  # >0: context drafts (lookup.py) up to this n-gram; CLP knows the match
     backbone: str = ""  # a name for people; matching uses the fields above
     format: str = FORMAT
     version: int = 1
@@ -120,6 +121,10 @@ class MTPBundle(nn.Module):
         block = ResBlock if config.design == "medusa" else EmbedHead
         self.heads = [block(d) for _ in range(k)]
         self.clp = nn.Linear(d, k + 1)
+        if config.lookup:
+            # CLP's logits gain a row per context match length (0 = none, the
+            # heads draft): a linear layer over [h, one-hot(match)].
+            self.clp_context = mx.zeros((config.lookup + 1, k + 1))
         if config.gate_hidden:
             self.gate = Gate(d, k, config.gate_hidden)
         if config.head0:
@@ -199,9 +204,27 @@ class MTPBundle(nn.Module):
             tokens.append(prev)
         return mx.stack(tokens, axis=-1), mx.stack(logits, axis=-2) if logits else None
 
-    def clp_length(self, h: mx.array) -> mx.array:
+    def use_context(self, max_ngram: int) -> None:
+        """Draft from the context when it has a match (:mod:`clp_mlx.lookup`);
+        CLP's context rows start at zero and are fitted with CLP."""
+        self.config.lookup = max_ngram
+        if max_ngram:
+            self.clp_context = mx.zeros((max_ngram + 1, self.k + 1), dtype=self.clp.weight.dtype)
+        elif "clp_context" in self:
+            del self["clp_context"]
+
+    def clp_logits(self, h: mx.array, match=None) -> mx.array:
+        """CLP's scores for accepting 0..k drafts; ``match``: the length of
+        the context match the drafts were copied from (0: the heads'), when
+        the bundle uses context drafts."""
+        logits = self.clp(h)
+        if match is not None and "clp_context" in self:
+            logits = logits + self.clp_context[match]
+        return logits
+
+    def clp_length(self, h: mx.array, match=None) -> mx.array:
         """CLP's choice of how many drafts to accept, 0..k."""
-        return mx.argmax(self.clp(h), axis=-1)
+        return mx.argmax(self.clp_logits(h, match), axis=-1)
 
     def gate_length(self, h: mx.array, threshold: float = 0.5) -> mx.array:
         """Longest run of heads whose gate probability clears ``threshold``."""

@@ -27,6 +27,7 @@ from .cli import run
 from .errors import ClpError
 from .features import continue_greedily, extract, load_features, tokenize_files
 from .heads import DESIGNS, init_heads, load_heads, save_heads
+from .lookup import row_drafts
 from .trainer import (
     HeadTrainer,
     Positions,
@@ -56,34 +57,53 @@ def fit_small(module, loss_fn, data: dict, steps: int = 300, lr: float = 3e-3, s
     return loss.item()
 
 
-def scored_drafts(model, bundle, data: Positions, n: int, seed: list):
-    """The heads' drafts at ``n`` positions of ``data`` drawn with ``seed``:
-    the positions, and per head whether the draft equals the backbone's
-    greedy token and the text's token there, both (n, k)."""
+def scored_drafts(model, bundle, data: Positions, n: int, seed: list, lookup: int = 0):
+    """The drafts at ``n`` positions of ``data`` drawn with ``seed``, the
+    heads' or (``lookup``) the context's where it has a match, as decoding
+    drafts: the positions, per draft whether it equals the backbone's greedy
+    token and the text's token there, both (n, k), and the match lengths."""
     idx = np.random.default_rng(seed).choice(len(data), min(len(data), n), replace=False)
     drafts = head_drafts(model, bundle, data, idx)
     at = data.index[idx]
+    match = np.zeros(at.size, dtype=np.int64)
+    if lookup:
+        copied, match = row_drafts(data.rows, at, bundle.k, lookup)
+        drafts = np.where(match[:, None] > 0, copied, drafts)
     ahead = at[:, None] + np.arange(1, bundle.k + 1)[None]
-    return at, drafts == data.greedy[ahead], drafts == data.tokens[ahead + 1]
+    return at, drafts == data.greedy[ahead], drafts == data.tokens[ahead + 1], match
 
 
 def train_decisions(model, bundle, data: Positions, seed: int, steps: int) -> dict:
     """CLP and the gate, trained on the frozen heads' drafts at ``data``
-    (the held-out rows: their labels must reflect unseen text)."""
-    at, agree, truth = scored_drafts(model, bundle, data, 4 * SMALL_SAMPLE, [seed, 1])
+    (the held-out rows: their labels must reflect unseen text). CLP learns
+    from the drafts decoding uses (context copies where the bundle has
+    them); the gate, the paper's baseline, from the heads' alone."""
+    lookup = bundle.config.lookup
+    at, agree, truth, match = scored_drafts(
+        model, bundle, data, 4 * SMALL_SAMPLE, [seed, 1], lookup
+    )
     label = run_lengths(agree)
     h = mx.array(data.hidden[at], dtype=mx.float32)
     bundle.freeze()
     bundle.clp.unfreeze()
+    if lookup:
+        bundle.unfreeze(keys=["clp_context"], recurse=False)
 
     def clp_loss(b):
-        return nn.losses.cross_entropy(bundle.clp(b["h"]), b["y"], reduction="mean")
+        logits = bundle.clp_logits(b["h"], b["m"] if lookup else None)
+        return nn.losses.cross_entropy(logits, b["y"], reduction="mean")
 
-    clp_loss_end = fit_small(bundle, clp_loss, {"h": h, "y": mx.array(label)}, steps, seed=seed)
+    targets = {"h": h, "y": mx.array(label), "m": mx.array(match)}
+    clp_loss_end = fit_small(bundle, clp_loss, targets, steps, seed=seed)
     out = {
         "clp_loss": clp_loss_end,
         "label_histogram": np.bincount(label, minlength=bundle.k + 1).tolist(),
+        "context_match_share": round(float((match > 0).mean()), 4),
     }
+    if lookup:
+        out["with_context_agree_with_greedy"] = agree.mean(axis=0).round(4).tolist()
+        out["with_context_mean_run_greedy"] = float(label.mean())
+        _, agree, truth, _ = scored_drafts(model, bundle, data, 4 * SMALL_SAMPLE, [seed, 1])
     if "gate" in bundle:
         bundle.freeze()
         bundle.gate.unfreeze()
@@ -102,22 +122,34 @@ def train_decisions(model, bundle, data: Positions, seed: int, steps: int) -> di
 
 
 def evaluate(model, bundle, data: Positions, seed: int = 0, n: int = SMALL_SAMPLE) -> dict:
-    """Top-1 of each head vs the backbone's greedy and vs the text; CLP's confusion."""
-    at, agree, truth = scored_drafts(model, bundle, data, n, [seed, 2])
-    label = run_lengths(agree)
-    pred = np.array(bundle.clp_length(mx.array(data.hidden[at], dtype=mx.float32)))
-    confusion = np.zeros((bundle.k + 1, bundle.k + 1), dtype=int)
-    np.add.at(confusion, (label, pred), 1)
+    """Top-1 of each head vs the backbone's greedy and vs the text, alone and
+    (bundles with context drafts) as decoding drafts; CLP's confusion."""
+    lookup = bundle.config.lookup
+    at, agree, truth, _ = scored_drafts(model, bundle, data, n, [seed, 2])
     backbone_acc = float((data.greedy[at] == data.tokens[at + 1]).mean())
-    return {
+    out = {
         "positions": int(at.size),
         "head_top1_vs_greedy": agree.mean(axis=0).round(4).tolist(),
         "head_top1_vs_text": truth.mean(axis=0).round(4).tolist(),
         "backbone_top1_vs_text": round(backbone_acc, 4),
-        "expected_tokens_per_pass_verify": round(1 + float(label.mean()), 3),
-        "clp_confusion_rows_label_cols_pred": confusion.tolist(),
-        "clp_accuracy": round(float(np.trace(confusion) / at.size), 4),
+        "expected_tokens_per_pass_verify": round(1 + float(run_lengths(agree).mean()), 3),
     }
+    if lookup:
+        at, agree, truth, match = scored_drafts(model, bundle, data, n, [seed, 2], lookup)
+        out["with_context_drafts"] = {
+            "draft_top1_vs_greedy": agree.mean(axis=0).round(4).tolist(),
+            "draft_top1_vs_text": truth.mean(axis=0).round(4).tolist(),
+            "context_match_share": round(float((match > 0).mean()), 4),
+            "expected_tokens_per_pass_verify": round(1 + float(run_lengths(agree).mean()), 3),
+        }
+    label = run_lengths(agree)
+    h = mx.array(data.hidden[at], dtype=mx.float32)
+    pred = np.array(bundle.clp_length(h, mx.array(match) if lookup else None))
+    confusion = np.zeros((bundle.k + 1, bundle.k + 1), dtype=int)
+    np.add.at(confusion, (label, pred), 1)
+    out["clp_confusion_rows_label_cols_pred"] = confusion.tolist()
+    out["clp_accuracy"] = round(float(np.trace(confusion) / at.size), 4)
+    return out
 
 
 PROMPT_STRIDE = 4  # prompts for --source greedy: one per 4 prompt lengths of text
@@ -195,6 +227,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--decision-steps", type=int, default=300, help="Adam steps for CLP and the gate"
     )
+    p.add_argument(
+        "--lookup",
+        type=int,
+        default=3,
+        help="context drafts: copy from the longest earlier match of the last 1..N tokens "
+        "where there is one (CLP is fitted knowing which); 0: the heads' drafts only",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     return p
@@ -205,6 +244,8 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
     for name in ("prompt_tokens", "new_tokens", "seq_len", "max_tokens", "k", "steps", "batch"):
         if getattr(args, name) < 1:
             raise ClpError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.lookup < 0:
+        raise ClpError("--lookup must be 0 (off) or more")
     from .api import load
 
     if args.eval:
@@ -245,6 +286,7 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
         print(f"resuming at step {trainer.step}", file=sys.stderr)
     history = _train_loop(trainer, work, stop_after, held)
     t_heads = elapsed(t0)
+    bundle.use_context(args.lookup)
     decisions = train_decisions(model, bundle, held, cfg.seed, args.decision_steps)
     report = {
         "command": "python -m clp_mlx.train "
@@ -270,7 +312,7 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
 def held_agreement(trainer: HeadTrainer, held: Positions) -> list:
     """Each head's agreement with greedy decoding on held-out prompts."""
     seed = [trainer.cfg.seed, 4]
-    _, agree, _ = scored_drafts(trainer.model, trainer.bundle, held, HELD_SAMPLE, seed)
+    _, agree, _, _ = scored_drafts(trainer.model, trainer.bundle, held, HELD_SAMPLE, seed)
     return agree.mean(axis=0).round(4).tolist()
 
 

@@ -49,6 +49,7 @@ class Positions:
     def __init__(self, tokens, hidden, greedy_ids, k, start: int = 0, rows=None):
         n, length = tokens.shape
         self.k = k
+        self.rows = tokens  # (n, length): what decoding had seen at each position
         self.hidden = hidden.reshape(n * length, -1)
         self.greedy = greedy_ids.reshape(-1)
         self.tokens = tokens.reshape(-1)

@@ -79,6 +79,24 @@ def test_training_lowers_the_loss_and_writes_heads(setup):
     held = [h["held"] for h in report["history"]]  # agreement on held-out prompts
     assert len(held[0]) == 2 and all(0 <= a <= 1 for h in held for a in h)
     assert report["held_out_positions"] > 0
+    assert meta["lookup"] == 3  # CLP was fitted knowing where drafts are copied
+    assert len(report["decisions"]["with_context_agree_with_greedy"]) == 2
+
+
+def test_eval_reports_heads_alone_and_with_context_drafts(setup, capsys):
+    root, folder, text = setup
+    if not (root / "heads").exists():
+        main(args(root, folder, text, "heads", steps=60))
+    capsys.readouterr()
+    argv = ["--eval", "--heads", str(root / "heads"), "--model", str(folder), "--data", str(text)]
+    assert main([*argv, "--max-tokens", "1200", "--work-dir", str(root / "eval-work")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    confusion = np.array(report["clp_confusion_rows_label_cols_pred"])
+    assert confusion.shape == (3, 3) and confusion.sum() == report["positions"] > 0
+    ctx = report["with_context_drafts"]
+    # This tiny model's greedy text repeats its last token: copies are right.
+    assert ctx["context_match_share"] > 0.9 and ctx["draft_top1_vs_greedy"][0] > 0.9
+    assert ctx["expected_tokens_per_pass_verify"] >= 1
 
 
 def test_resume_after_interrupt_equals_uninterrupted_run(setup):

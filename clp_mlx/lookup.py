@@ -1,0 +1,79 @@
+"""Context drafts: copy what followed the last earlier occurrence of the
+context's final n tokens (prompt lookup decoding, Saxena 2023).
+
+Greedy decoding repeats itself and its prompt: names, phrases, whole lines.
+On greedy continuations of WikiText-2 valid prompts the copied token equals
+the backbone's next choice far more often than a head's draft does (see the
+README), so drafts come from here when the context has a match and from
+the heads otherwise. CLP is told which (the match length), so it can trust
+the two sources differently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ContextDrafter:
+    """An n-gram index over the tokens so far (prompt + committed output).
+
+    ``propose(k)`` looks for the longest suffix of 1..max_ngram tokens that
+    occurred before; the tokens after that occurrence are the drafts, the
+    pattern repeating when it runs into the end of the context (a loop of
+    period p drafts its next p tokens over and over).
+    """
+
+    def __init__(self, tokens=(), max_ngram: int = 3):
+        if max_ngram < 1:
+            raise ValueError("max_ngram must be at least 1")
+        self.tokens: list[int] = []
+        self.last: list[dict] = [{} for _ in range(max_ngram)]  # n-1 -> {ngram: end}
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        for tok in tokens:
+            self._index_end()
+            self.tokens.append(int(tok))
+
+    def _index_end(self) -> None:
+        # The n-grams ending at the current last token become searchable only
+        # once a later token exists: a suffix never matches itself.
+        s, end = self.tokens, len(self.tokens) - 1
+        for n, table in enumerate(self.last, start=1):
+            if end - n + 1 < 0:
+                break
+            table[tuple(s[end - n + 1 :])] = end
+
+    def propose(self, k: int) -> tuple[list[int], int]:
+        """``k`` drafts and the length of the match they come from (0: none)."""
+        s, end = self.tokens, len(self.tokens) - 1
+        for n in range(len(self.last), 0, -1):
+            if end - n + 1 < 0:
+                continue
+            j = self.last[n - 1].get(tuple(s[end - n + 1 :]))
+            if j is not None:
+                period = end - j
+                return [s[j + 1 + i % period] for i in range(k)], n
+        return [], 0
+
+
+def row_drafts(rows: np.ndarray, index: np.ndarray, k: int, max_ngram: int):
+    """Context drafts at flat positions ``index`` of ``rows`` (n, length):
+    at position t the known tokens are the row's first t + 2 (the backbone's
+    token t+1 included), as in decoding. Returns drafts (len(index), k) and
+    match lengths (len(index),); rows without a match draft -1."""
+    length = rows.shape[1]
+    drafts = np.full((index.size, k), -1, dtype=np.int64)
+    match = np.zeros(index.size, dtype=np.int64)
+    order = np.argsort(index, kind="stable")
+    row_of, t_of = np.divmod(index[order], length)
+    drafter, row, known = None, -1, 0
+    for p, r, t in zip(order, row_of, t_of):
+        if r != row or t + 2 < known:
+            drafter, row, known = ContextDrafter(max_ngram=max_ngram), r, 0
+        drafter.extend(rows[r, known : t + 2])
+        known = t + 2
+        got, n = drafter.propose(k)
+        if n:
+            drafts[p], match[p] = got, n
+    return drafts, match

@@ -1,0 +1,112 @@
+"""Context drafts: the n-gram index, its use in training data and in decoding."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import random_heads, tiny_model
+from mlx_lm.models.cache import make_prompt_cache
+
+from clp_mlx.backbone import hidden_states, project
+from clp_mlx.decode import DecodeStats, decode
+from clp_mlx.heads import MTPBundle
+from clp_mlx.lookup import ContextDrafter, row_drafts
+
+
+@pytest.mark.parametrize(
+    "tokens, drafts, match",
+    [
+        ([5, 6, 7, 8, 5, 6], [7, 8, 5], 2),  # "5 6" seen before: copy what followed
+        ([9, 5, 6, 7, 1, 5, 6], [7, 1, 5], 2),
+        ([1, 2, 3, 1, 2, 3, 9, 2, 3], [9, 2, 3], 2),  # the latest earlier "2 3" wins
+        ([1, 2, 2, 2], [2, 2, 2], 2),  # a loop of period 1 repeats
+        ([3, 4, 3], [4, 3, 4], 1),  # period 2, from a 1-token match
+        ([1, 2, 3], [], 0),  # nothing seen before
+        ([4], [], 0),  # a suffix never matches itself
+    ],
+)
+def test_drafts_copy_what_followed_the_longest_earlier_match(tokens, drafts, match):
+    got = ContextDrafter(tokens, max_ngram=3).propose(3)
+    assert got == (drafts, match)
+
+
+def test_latest_occurrence_of_the_longest_match_is_used():
+    # "1 2 3" ... "7 2 3" ... "1 2 3": the 3-gram beats the later 2-gram.
+    d = ContextDrafter([1, 2, 3, 4, 7, 2, 3, 5, 1, 2, 3], max_ngram=3)
+    assert d.propose(2) == ([4, 7], 3)
+    assert ContextDrafter([1, 2, 3, 4, 7, 2, 3, 5, 1, 2, 3], max_ngram=2).propose(2) == ([5, 1], 2)
+
+
+def test_extending_equals_building_at_once():
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 6, 60).tolist()
+    grown = ContextDrafter(seq[:5])
+    for i in range(5, 60):
+        grown.extend([seq[i]])
+        assert grown.propose(4) == ContextDrafter(seq[: i + 1]).propose(4)
+
+
+def test_row_drafts_match_a_drafter_per_position():
+    rng = np.random.default_rng(1)
+    rows = rng.integers(0, 5, (3, 30))
+    index = rng.permutation(np.concatenate([r * 30 + np.arange(2, 27) for r in range(3)]))[:50]
+    drafts, match = row_drafts(rows, index, 3, 2)
+    for p, flat in enumerate(index):
+        r, t = divmod(int(flat), 30)
+        want, n = ContextDrafter(rows[r, : t + 2], max_ngram=2).propose(3)
+        assert match[p] == n
+        assert drafts[p].tolist() == (want if n else [-1, -1, -1])
+
+
+def context_heads(model, k=3, lookup=3, seed=1):
+    """Wrong heads that use context drafts; CLP set by the caller."""
+    noisy = random_heads(model, k, seed=seed, design="chain")
+    noisy.config.lookup = lookup
+    heads = MTPBundle(noisy.config)
+    heads.load_weights(
+        [(n, p) for n, p in noisy.parameters().items() if n != "clp_context"]
+        + [("clp_context", mx.zeros((lookup + 1, k + 1)))],
+        strict=False,
+    )
+    return heads
+
+
+def looping_setup():
+    model = tiny_model(5, vocab=32, tied=False)  # greedy: loops with variations
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    return model, prompt
+
+
+@pytest.mark.parametrize("feed", ["all", "clp", "cost"])
+def test_verify_with_context_drafts_stays_exact(feed):
+    model, prompt = looping_setup()
+    ar = [t for t, _ in decode(prompt, model, mode="ar", max_tokens=48)]
+    heads = context_heads(model)
+    with_ctx, without = DecodeStats("verify", 3), DecodeStats("verify", 3)
+    out = [t for t, _ in decode(prompt, model, heads, max_tokens=48, stats=with_ctx, feed=feed)]
+    assert out == ar
+    kw = {"max_tokens": 48, "stats": without, "feed": feed, "lookup": False}
+    assert [t for t, _ in decode(prompt, model, heads, **kw)] == ar
+    # A small random model's greedy output loops, so copies pass where the
+    # random heads never do.
+    assert with_ctx.tokens_per_step > without.tokens_per_step
+
+
+def test_clp_mode_commits_the_copied_drafts_clp_accepts():
+    model, prompt = looping_setup()
+    heads = context_heads(model)
+    heads.clp.weight = mx.zeros_like(heads.clp.weight)
+    heads.clp.bias = mx.zeros_like(heads.clp.bias)
+    # No match: accept nothing; a match of n tokens: accept n drafts.
+    heads.clp_context = 10.0 * mx.eye(4)
+    out = [t for t, _ in decode(prompt, model, heads, mode="clp", max_tokens=40)]
+    # The same rule, step by step, recomputing the backbone from scratch.
+    seq = list(prompt)
+    while len(seq) < len(prompt) + 40:
+        h = hidden_states(model, mx.array(seq), make_prompt_cache(model))
+        seq.append(mx.argmax(project(model, h[-1:]), axis=-1).item())
+        drafts, n = ContextDrafter(seq).propose(3)
+        seq += drafts[:n]
+    assert out == seq[len(prompt) : len(prompt) + 40]
+    assert out != [
+        t for t, _ in decode(prompt, model, heads, mode="clp", max_tokens=40, lookup=False)
+    ]
