@@ -171,7 +171,7 @@ def decode(
     choose = greedy if greedy_path else _Sampler(sampling)
     ctx = None
     if greedy_path and mode in ("clp", "verify") and heads.config.lookup and lookup is not False:
-        ctx = ContextDrafter(prompt.tolist(), heads.config.lookup)
+        ctx = _Context(heads, prompt.tolist())
 
     with mx.stream(_stream):
         last = prefill(model, prompt, cache)
@@ -245,48 +245,51 @@ def _draft_tokens(model, heads, h, b, choose=greedy):
     return heads.draft(model, h, b, None if choose is greedy else choose)[0]
 
 
-def unchecked_step(model, heads, tokens, cache, mode, n_draft, threshold=0.5, choose=greedy):
+def unchecked_step(
+    model, heads, tokens, cache, mode, n_draft, threshold=0.5, choose=greedy, drafts=True
+):
     """One clp / fixed / gate / prior-mtp step: [b, k drafts, n to commit],
-    and (clp, prior-mtp) CLP's scores, for a host that copies drafts."""
+    CLP's scores and the hidden state that drafts. ``drafts=False`` leaves
+    the heads out, for a host that may copy its drafts from the context."""
     h = hidden_states(model, tokens, cache)[-1:]  # only the last position drafts
     first = heads.head0(h) if mode == "prior-mtp" else h
     b = choose(project(model, first))
-    d = _draft_tokens(model, heads, h, b, choose)
+    d = _draft_tokens(model, heads, h, b, choose)[0] if drafts else b[:0]
+    logits = heads.clp_logits(h[0])
     if mode == "fixed":
         n = mx.array([n_draft])
     elif mode == "gate":
         n = mx.minimum(heads.gate_length(h, threshold), n_draft)
     else:  # clp, prior-mtp
-        logits = heads.clp_logits(h[0])
         n = mx.minimum(mx.argmax(logits), n_draft)[None]
-        return mx.concatenate([b, d[0], n.astype(b.dtype)]), logits
-    return mx.concatenate([b, d[0], n.astype(b.dtype)]), None
+    return mx.concatenate([b, d, n.astype(b.dtype)]), logits, h
 
 
 def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, stats, choose, ctx):
     """clp / fixed / gate / prior-mtp: commit drafts without checking them."""
 
     def step(tokens):
-        return unchecked_step(model, heads, tokens, cache, mode, n_draft, threshold, choose)
+        return unchecked_step(
+            model, heads, tokens, cache, mode, n_draft, threshold, choose, drafts=ctx is None
+        )
 
     produced = 0
-    out, logits = step(y)
+    out, logits, h = step(y)
     while True:
         host = out.tolist()
         b, drafts, n = host[0], host[1:-1], host[-1]
         if ctx is not None:
-            ctx.extend([b])
-            drafts, scores = _context_drafts(ctx, heads, drafts, logits)
+            drafts, scores = ctx.drafts([b], logits, lambda: ctx.heads_drafts(model, h, b))
             n = min(max(range(len(scores)), key=scores.__getitem__), n_draft)
         n = min(n, max_tokens - produced - 1)
         committed = [b] + drafts[:n]
         if ctx is not None:
-            ctx.extend(drafts[:n])
+            ctx.drafter.extend(drafts[:n])
         produced += len(committed)
         stats.record(len(committed), n)
         if produced < max_tokens:
-            out, logits = step(mx.array(committed, dtype=mx.uint32))
-            mx.async_eval(out, logits) if logits is not None else mx.async_eval(out)
+            out, logits, h = step(mx.array(committed, dtype=mx.uint32))
+            mx.async_eval(out, logits, h)
         yield b, mode == "prior-mtp"
         for tok in drafts[:n]:
             yield tok, True
@@ -294,10 +297,11 @@ def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, sta
             return
 
 
-def verify_step(model, heads, tokens, cache, m: int):
+def verify_step(model, heads, tokens, cache, m: int, drafts: bool = True):
     """One greedy verify step over ``tokens`` = [t, m drafts].
 
-    Returns [b (m+1), a, k drafts, CLP's n] and CLP's scores (k+1,).
+    Returns [b (m+1), a, k drafts, CLP's n], CLP's scores (k+1,) and the
+    hidden state that drafts. ``drafts=False``: no heads' drafts in it.
     """
     h = hidden_states(model, tokens, cache)  # (m+1, d)
     b = greedy(project(model, h))  # the backbone's choice after each position
@@ -310,11 +314,11 @@ def verify_step(model, heads, tokens, cache, m: int):
         a = mx.array(0)
     # Only the last accepted position drafts the next step; CLP says there
     # how many of its drafts are worth feeding.
-    d = _draft_tokens(model, heads, h[a][None], b[a][None])[0]
+    d = _draft_tokens(model, heads, h[a][None], b[a][None])[0] if drafts else b[:0]
     logits = heads.clp_logits(h[a])
     n = mx.argmax(logits)
     out = mx.concatenate([b, a[None].astype(b.dtype), d, n[None].astype(b.dtype)])
-    return out, logits
+    return out, logits, h[a][None]
 
 
 def _softmax(scores: list) -> list:
@@ -323,12 +327,28 @@ def _softmax(scores: list) -> list:
     return [x / sum(e) for x in e]
 
 
-def _context_drafts(ctx, heads, drafts: list, logits: mx.array):
-    """The context's drafts if it has a match, else the heads'; and CLP's
-    scores for them: its scores at h plus the row for the match length."""
-    copied, match = ctx.propose(len(drafts))
-    scores = (logits + heads.clp_context[match]).tolist()
-    return (copied if match else drafts), scores
+class _Context:
+    """Context drafts for one generation, the heads' where there is no match.
+
+    The heads run only when needed: after the pass, on the hidden state it
+    kept, so a step that copies (most, on repetitive text) skips their cost.
+    """
+
+    def __init__(self, heads: MTPBundle, prompt: list):
+        self.heads = heads
+        self.drafter = ContextDrafter(prompt, heads.config.lookup)
+        self.rows = heads.clp_context.tolist()  # CLP's scores per match length
+
+    def drafts(self, committed: list, logits: mx.array, heads_drafts) -> tuple[list, list]:
+        """Drafts after ``committed`` and CLP's scores for them: its scores
+        at h plus the row for the match length."""
+        self.drafter.extend(committed)
+        copied, match = self.drafter.propose(self.heads.k)
+        scores = [s + r for s, r in zip(logits.tolist(), self.rows[match])]
+        return (copied if match else heads_drafts()), scores
+
+    def heads_drafts(self, model, h: mx.array, b: int) -> list:
+        return _draft_tokens(model, self.heads, h, mx.array([b], dtype=mx.uint32))[0].tolist()
 
 
 def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=None):
@@ -341,11 +361,11 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=
     costs = pass_costs(model, n_draft + 1) if feed == "cost" else None
 
     def step(tokens, m):
-        return verify_step(model, heads, tokens, cache, m)
+        return verify_step(model, heads, tokens, cache, m, drafts=ctx is None)
 
     produced = 0
     fed = [None]  # what the pending pass feeds: token t, then its drafts
-    out, logits = step(y, 0)
+    out, logits, h = step(y, 0)
     while True:
         host = out.tolist()
         m = len(fed) - 1
@@ -359,8 +379,10 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=
             # Never draft past max_tokens: the extra positions would be wasted.
             m_next = min(n_draft, max_tokens - produced - 1)
             if ctx is not None:
-                ctx.extend(committed)
-                drafts, scores = _context_drafts(ctx, heads, drafts, logits)
+                last = b[a]
+                drafts, scores = ctx.drafts(
+                    committed, logits, lambda: ctx.heads_drafts(model, h, last)
+                )
             elif feed != "all":
                 scores = logits.tolist()
             if feed == "clp":
@@ -368,8 +390,8 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=
             elif feed == "cost":
                 m_next = best_feed(_softmax(scores), costs, m_next)
             fed = [b[a]] + drafts[:m_next]
-            out, logits = step(mx.array(fed, dtype=mx.uint32), m_next)
-            mx.async_eval(out, logits)
+            out, logits, h = step(mx.array(fed, dtype=mx.uint32), m_next)
+            mx.async_eval(out, logits, h)
         for i, tok in enumerate(committed):
             yield tok, i < a
         if produced >= max_tokens:
