@@ -40,6 +40,7 @@ from .bench_methods import (
     METHODS,
     bench,
     needs_heads,
+    parse_method,
     peak_memory_source,
     repetition_ratio,
 )
@@ -81,7 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=64, help="cut WikiText prompts to this")
     p.add_argument("--max-tokens", "-m", type=int, help="new tokens, default 64 (--quick: 32)")
     p.add_argument(
-        "--modes", nargs="+", help=f"of {', '.join(METHODS)} (default: {' '.join(DEFAULT_MODES)})"
+        "--modes",
+        nargs="+",
+        help=f"of {', '.join(METHODS)} (default: {' '.join(DEFAULT_MODES)}); -heads: without "
+        "context drafts; clp@Q: CLP accepts the longest n with P(run >= n) >= Q",
     )
     p.add_argument("--repeats", type=int, help="runs per prompt and method (default 1)")
     p.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, ar verify clp")
@@ -96,9 +100,8 @@ def settings(argv=None) -> argparse.Namespace:
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    unknown = [m for m in args.modes if m not in METHODS]
-    if unknown:
-        raise ClpError(f"unknown mode {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    for method in args.modes:
+        parse_method(method)  # a clear error for an unknown one
     args.modes = ["ar", *(m for m in dict.fromkeys(args.modes) if m != "ar")]
     for name, least in (("repeats", 1), ("max_tokens", 2), ("num_prompts", 1)):
         if getattr(args, name) < least:

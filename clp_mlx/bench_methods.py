@@ -21,16 +21,38 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from .decode import MODES, DecodeStats, decode
 from .errors import ClpError
 
-OURS = (*MODES, "verify-clp", "verify-cost")  # verify with feed="clp" / feed="cost"
+# verify with feed="clp" / feed="cost"; "-heads": context drafts off (the paper's drafts)
+OURS = (*MODES, "verify-clp", "verify-cost", "verify-heads", "clp-heads")
 PEERS = ("mlx-lm", "mlx-lm-draft")
 METHODS = (*OURS, *PEERS)
-LOSSLESS = ("ar", "verify", "verify-clp", "verify-cost", *PEERS)  # greedy: token for token as ar
+LOSSLESS = ("ar", "verify", "verify-clp", "verify-cost", "verify-heads", *PEERS)
+THRESHOLDED = ("clp", "clp-heads", "prior-mtp")  # "clp@0.8": CLP's threshold rule
 DEFAULT_MODES = ("ar", "verify", "clp", "fixed")
 WARMUP_TOKENS = 8
 
 
+def parse_method(method: str) -> tuple[str, float | None]:
+    """``"clp@0.8"`` -> ("clp", 0.8): a method and its CLP threshold, checked."""
+    base, at, q = method.partition("@")
+    if base not in METHODS or (at and base not in THRESHOLDED):
+        raise ClpError(
+            f"unknown method {method!r}; choose from {', '.join(METHODS)} "
+            f"({', '.join(THRESHOLDED)} take @THRESHOLD, e.g. clp@0.8)"
+        )
+    if not at:
+        return base, None
+    try:
+        value = float(q)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise ClpError(f"{method!r}: the threshold after @ must be a number in (0, 1]")
+    return base, value
+
+
 def needs_heads(method: str) -> bool:
-    return method in OURS and method != "ar"
+    base = parse_method(method)[0]
+    return base in OURS and base != "ar"
 
 
 @dataclass
@@ -48,8 +70,21 @@ class Run:
 def _ours(model, heads, ids, mode, max_tokens):
     k = heads.k if heads is not None and mode != "ar" else 0
     stats = DecodeStats(mode, k)
-    kind, _, feed = mode.partition("-") if mode.startswith("verify-") else (mode, "", "all")
-    gen = decode(ids, model, heads, mode=kind, max_tokens=max_tokens, stats=stats, feed=feed)
+    base, threshold = parse_method(mode)
+    kind, _, feed = base.partition("-")
+    lookup = None if feed != "heads" else False
+    feed = {"": "all", "heads": "cost"}.get(feed, feed)  # verify-heads feeds by cost
+    gen = decode(
+        ids,
+        model,
+        heads,
+        mode=kind,
+        max_tokens=max_tokens,
+        stats=stats,
+        feed=feed,
+        lookup=lookup,
+        clp_threshold=threshold,
+    )
     return (t for t, _ in gen), lambda: (stats.steps, list(stats.accepted))
 
 
@@ -105,10 +140,8 @@ def run_one(model, heads, ids, method, max_tokens, *, draft=None, draft_tokens=3
         if draft is None:
             raise ClpError("mlx-lm-draft needs a draft model (--draft-model)")
         gen, counts = _mlx_lm_draft(model, draft, ids, max_tokens, draft_tokens)
-    elif method in OURS:
-        gen, counts = _ours(model, heads, ids, method, max_tokens)
     else:
-        raise ClpError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        gen, counts = _ours(model, heads, ids, method, max_tokens)
     first = next(gen)
     t_first = time.perf_counter()
     out = [first, *gen]

@@ -62,7 +62,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from .backbone import hidden_states, project
 from .errors import ClpError
 from .feed import best_feed, pass_costs
-from .heads import MTPBundle
+from .heads import MTPBundle, accept_count
 from .lookup import ContextDrafter
 from .sampling import Sampling, accept_drafts, draw, log_probs
 
@@ -128,6 +128,7 @@ def decode(
     sampling: Sampling | None = None,
     feed: str = "all",
     lookup: bool | None = None,
+    clp_threshold: float | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` pairs, one backbone pass per step.
 
@@ -139,7 +140,9 @@ def decode(
     prints; stop it early by closing it (EOS is the caller's business, as in
     mlx-lm).
     ``lookup``: context drafts on/off for greedy clp and verify; None uses
-    them when the heads were fitted with them.
+    them when the heads were fitted with them. ``clp_threshold`` (clp and
+    prior-mtp): accept the longest n with P(run >= n) >= it, instead of
+    CLP's most likely run (the paper's rule, None).
 
     The step after the tokens being yielded is already queued, so when the
     caller stops, ``prompt_cache`` may hold tokens beyond those it received
@@ -158,6 +161,8 @@ def decode(
         raise ClpError(f"mode {mode!r} needs heads (pass --heads, or --heads init)")
     if feed not in FEEDS:
         raise ClpError(f"feed must be one of {', '.join(FEEDS)}, got {feed!r}")
+    if clp_threshold is not None and not 0 < clp_threshold <= 1:
+        raise ClpError(f"clp_threshold must be in (0, 1], got {clp_threshold}")
     if mode == "prior-mtp" and "head0" not in heads:
         raise ClpError("mode 'prior-mtp' needs heads with a head 0")
     k = heads.k if heads is not None and mode != "ar" else 0
@@ -192,7 +197,7 @@ def decode(
                 max_tokens,
                 n_draft,
                 mode,
-                gate_threshold,
+                (gate_threshold, clp_threshold),
                 stats,
                 choose,
                 ctx,
@@ -246,11 +251,12 @@ def _draft_tokens(model, heads, h, b, choose=greedy):
 
 
 def unchecked_step(
-    model, heads, tokens, cache, mode, n_draft, threshold=0.5, choose=greedy, drafts=True
+    model, heads, tokens, cache, mode, n_draft, thresholds=(0.5, None), choose=greedy, drafts=True
 ):
     """One clp / fixed / gate / prior-mtp step: [b, k drafts, n to commit],
-    CLP's scores and the hidden state that drafts. ``drafts=False`` leaves
-    the heads out, for a host that may copy its drafts from the context."""
+    CLP's scores and the hidden state that drafts. ``thresholds``: the
+    gate's and CLP's. ``drafts=False`` leaves the heads out, for a host
+    that may copy its drafts from the context."""
     h = hidden_states(model, tokens, cache)[-1:]  # only the last position drafts
     first = heads.head0(h) if mode == "prior-mtp" else h
     b = choose(project(model, first))
@@ -259,18 +265,18 @@ def unchecked_step(
     if mode == "fixed":
         n = mx.array([n_draft])
     elif mode == "gate":
-        n = mx.minimum(heads.gate_length(h, threshold), n_draft)
+        n = mx.minimum(heads.gate_length(h, thresholds[0]), n_draft)
     else:  # clp, prior-mtp
-        n = mx.minimum(mx.argmax(logits), n_draft)[None]
+        n = mx.minimum(accept_count(logits, thresholds[1]), n_draft)[None]
     return mx.concatenate([b, d, n.astype(b.dtype)]), logits, h
 
 
-def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, stats, choose, ctx):
+def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, thresholds, stats, choose, ctx):
     """clp / fixed / gate / prior-mtp: commit drafts without checking them."""
 
     def step(tokens):
         return unchecked_step(
-            model, heads, tokens, cache, mode, n_draft, threshold, choose, drafts=ctx is None
+            model, heads, tokens, cache, mode, n_draft, thresholds, choose, drafts=ctx is None
         )
 
     produced = 0
@@ -280,7 +286,7 @@ def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, threshold, sta
         b, drafts, n = host[0], host[1:-1], host[-1]
         if ctx is not None:
             drafts, scores = ctx.drafts([b], logits, lambda: ctx.heads_drafts(model, h, b))
-            n = min(max(range(len(scores)), key=scores.__getitem__), n_draft)
+            n = min(accept_count(mx.array(scores), thresholds[1]).item(), n_draft)
         n = min(n, max_tokens - produced - 1)
         committed = [b] + drafts[:n]
         if ctx is not None:
@@ -337,7 +343,9 @@ class _Context:
     def __init__(self, heads: MTPBundle, prompt: list):
         self.heads = heads
         self.drafter = ContextDrafter(prompt, heads.config.lookup)
-        self.rows = heads.clp_context.tolist()  # CLP's scores per match length
+        rows = heads.clp_context.tolist()  # CLP's scores per match length
+        # The step's scores hold row 0 (the heads' drafts) already.
+        self.rows = [[x - x0 for x, x0 in zip(row, rows[0])] for row in rows]
 
     def drafts(self, committed: list, logits: mx.array, heads_drafts) -> tuple[list, list]:
         """Drafts after ``committed`` and CLP's scores for them: its scores

@@ -84,6 +84,15 @@ class Gate(nn.Module):
         return self.fc2(nn.silu(self.fc1(h)))
 
 
+def accept_count(logits: mx.array, threshold: float | None = None) -> mx.array:
+    """CLP's decision from its scores over run lengths 0..k (last axis)."""
+    if threshold is None:
+        return mx.argmax(logits, axis=-1)
+    probs = mx.softmax(logits, axis=-1)
+    at_least = mx.cumsum(probs[..., ::-1], axis=-1)[..., ::-1]  # P(run >= n), n = 0..k
+    return mx.sum(at_least[..., 1:] >= threshold, axis=-1)
+
+
 def gate_hidden_size(dims: int, k: int) -> int:
     """Width that brings the gate to about 1M parameters."""
     return max(1, round((GATE_PARAMS - k) / (dims + 1 + k)))
@@ -102,6 +111,7 @@ class HeadsConfig:
     head0: bool = False  # the prior-MTP baseline's competing t+1 head
     draft_vocab: int = 0  # >0: heads draft only from this many frequent tokens (FR-Spec)
     lookup: int = 0  # >0: context drafts (lookup.py) up to this n-gram; CLP knows the match
+    clp_norm: bool = False  # CLP sees h / rms(h) (fitted so since the context drafts)
     backbone: str = ""  # a name for people; matching uses the fields above
     format: str = FORMAT
     version: int = 1
@@ -215,16 +225,22 @@ class MTPBundle(nn.Module):
 
     def clp_logits(self, h: mx.array, match=None) -> mx.array:
         """CLP's scores for accepting 0..k drafts; ``match``: the length of
-        the context match the drafts were copied from (0: the heads'), when
-        the bundle uses context drafts."""
+        the context match the drafts were copied from (0 or None: the
+        heads'), when the bundle uses context drafts."""
+        if self.config.clp_norm:
+            # Qwen2.5's final hidden rows vary in length by 10x and more; a
+            # linear layer on raw rows overfits the few held-out positions.
+            h = h * mx.rsqrt(mx.mean(mx.square(h), axis=-1, keepdims=True) + 1e-6)
         logits = self.clp(h)
-        if match is not None and "clp_context" in self:
-            logits = logits + self.clp_context[match]
+        if "clp_context" in self:  # no match given: the heads' drafts, row 0
+            logits = logits + self.clp_context[0 if match is None else match]
         return logits
 
-    def clp_length(self, h: mx.array, match=None) -> mx.array:
-        """CLP's choice of how many drafts to accept, 0..k."""
-        return mx.argmax(self.clp_logits(h, match), axis=-1)
+    def clp_length(self, h: mx.array, match=None, threshold: float | None = None) -> mx.array:
+        """CLP's choice of how many drafts to accept, 0..k: its most likely
+        run length (the paper), or with ``threshold`` the longest n with
+        P(run >= n) >= threshold."""
+        return accept_count(self.clp_logits(h, match), threshold)
 
     def gate_length(self, h: mx.array, threshold: float = 0.5) -> mx.array:
         """Longest run of heads whose gate probability clears ``threshold``."""

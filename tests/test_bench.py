@@ -148,7 +148,9 @@ def test_quick_sets_its_defaults_and_explicit_options_win(tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--modes", "ar", "beam"], "unknown mode 'beam'"),
+        (["--modes", "ar", "beam"], "unknown method 'beam'"),
+        (["--modes", "ar", "fixed@0.5"], "unknown method 'fixed@0.5'"),
+        (["--modes", "ar", "clp@2"], "must be a number in"),
         (["--repeats", "0"], "--repeats must be at least 1"),
         (["-m", "0"], "--max-tokens must be at least 2"),
         (["--modes", "ar", "mlx-lm-draft"], "--draft-model"),

@@ -110,3 +110,31 @@ def test_clp_mode_commits_the_copied_drafts_clp_accepts():
     assert out != [
         t for t, _ in decode(prompt, model, heads, mode="clp", max_tokens=40, lookup=False)
     ]
+
+
+def test_bench_methods_with_and_without_context_drafts():
+    from clp_mlx.bench_methods import bench
+
+    model, prompt = looping_setup()
+    heads = context_heads(model)
+    heads.clp.weight = mx.zeros_like(heads.clp.weight)
+    heads.clp.bias = mx.zeros_like(heads.clp.bias)
+    # Match of length n: CLP's most likely run is n (P = e^2 / (e^2 + 3) = 0.71).
+    heads.clp_context = 2.0 * mx.eye(4)
+    modes = ["ar", "verify", "verify-heads", "clp", "clp@0.99", "clp-heads"]
+    table = bench(model, heads, [prompt], modes, max_tokens=40)
+    for m in ("verify", "verify-heads"):
+        assert table[m]["identical_to_ar"] == 1.0, m
+    assert table["verify"]["tokens_per_pass"] > table["verify-heads"]["tokens_per_pass"]
+    assert table["clp"]["tokens_per_pass"] > 1.5
+    assert table["clp@0.99"]["tokens_per_pass"] == 1.0  # P(run >= 1) = 0.9 < 0.99
+    assert table["clp-heads"]["tokens_per_pass"] == 1.0  # heads' drafts: row 0, accept none
+
+
+def test_clp_threshold_takes_the_longest_run_likely_enough():
+    from clp_mlx.heads import accept_count
+
+    logits = mx.log(mx.array([0.3, 0.1, 0.4, 0.2]))  # P(run >= 1, 2, 3) = 0.7, 0.6, 0.2
+    assert accept_count(logits).item() == 2  # the most likely run (the paper's rule)
+    got = [accept_count(logits, q).item() for q in (0.1, 0.5, 0.65, 0.9)]
+    assert got == [3, 2, 1, 0]
