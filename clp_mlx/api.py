@@ -104,6 +104,8 @@ def stream_generate(
     top_k: int = 0,
     seed: int | None = None,
     feed: str = "cost",
+    lookup: bool | None = None,
+    clp_threshold: float | None = None,
 ):
     """Yield a :class:`Response` per token; the last one has a finish reason.
 
@@ -111,6 +113,10 @@ def stream_generate(
     with the most expected tokens per unit of pass time (see
     :mod:`clp_mlx.feed`; pass times are measured once per setup), "clp" only
     the drafts CLP expects to be accepted, "all" every draft. Same output.
+    ``lookup=False`` turns context drafts off (greedy clp and verify copy
+    drafts from the context when the heads were fitted for it);
+    ``clp_threshold`` (clp mode) accepts the longest n with P(run >= n) at
+    or above it instead of CLP's most likely run.
 
     ``temp`` 0 is greedy; above 0, tokens are sampled (``top_p``/``top_k``
     as in mlx-lm; ``seed`` None follows ``mx.random.seed``). ``verify``
@@ -136,6 +142,8 @@ def stream_generate(
         stats=stats,
         sampling=sampling,
         feed=feed,
+        lookup=lookup,
+        clp_threshold=clp_threshold,
     )
     tic = time.perf_counter()
     prompt_tps = 0.0

@@ -50,6 +50,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "(cost, default; pass times measured once per setup), as many as CLP expects to be "
         "accepted (clp), or every draft (all)",
     )
+    p.add_argument(
+        "--no-context-drafts",
+        action="store_true",
+        help="draft with the heads only, never by copying from the context",
+    )
+    p.add_argument(
+        "--clp-threshold",
+        type=float,
+        default=None,
+        help="clp: accept the longest n whose P(run >= n) reaches this (default: CLP's most "
+        "likely run, the paper's rule)",
+    )
     add_sampling_args(p)
     p.add_argument("--system-prompt", default=None, help="system message; implies --chat-template")
     p.add_argument(
@@ -74,6 +86,9 @@ def check_decode_args(args: argparse.Namespace) -> None:
         raise ClpError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
         raise ClpError(f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}")
+    q = getattr(args, "clp_threshold", None)
+    if q is not None and not 0 < q <= 1:
+        raise ClpError(f"--clp-threshold must be in (0, 1], got {q}")
 
 
 def load_from_args(args: argparse.Namespace):
@@ -138,6 +153,8 @@ def main(argv=None) -> int:
         top_k=args.top_k,
         seed=args.seed,
         feed=args.verify_feed,
+        lookup=False if args.no_context_drafts else None,
+        clp_threshold=args.clp_threshold,
     ):
         print(last.text, end="", flush=True)
     print()

@@ -71,6 +71,7 @@ def test_not_a_heads_folder(tmp_path, model):
         (["--model", "/no/such/folder", "-p", "hi"], "/no/such/folder"),
         (["-p", "hi", "-m", "0"], "--max-tokens"),
         (["-p", "hi", "--num-draft-tokens", "0"], "--num-draft-tokens"),
+        (["-p", "hi", "--clp-threshold", "1.5"], "--clp-threshold"),
         (["-p", "hi", "--temp", "-1"], "greedy"),
         (["-m", "5"], "no prompt"),
     ],
@@ -106,6 +107,22 @@ def test_draft_vocabulary_is_saved_with_the_heads(tmp_path, model):
     save_heads(heads, tmp_path / "h")
     again = load_heads(tmp_path / "h", model)
     assert again.draft_vocab.tolist() == [1, 5, 9] and again.config.draft_vocab == 3
+
+
+def test_context_rows_and_clp_input_rule_are_saved_with_the_heads(tmp_path, model):
+    heads = init_heads(model, 2)
+    heads.use_context(3)
+    heads.config.clp_norm = True
+    heads.clp_context = mx.arange(12, dtype=mx.float32).reshape(4, 3)
+    save_heads(heads, tmp_path / "h")
+    again = load_heads(tmp_path / "h", model)
+    assert again.config.lookup == 3 and again.config.clp_norm
+    assert mx.array_equal(again.clp_context, heads.clp_context).item()
+    h = mx.random.normal((5, model.args.hidden_size), key=mx.random.key(2))
+    m = mx.array([0, 1, 2, 3, 0])
+    assert mx.allclose(again.clp_logits(h, m), heads.clp_logits(h, m)).item()
+    # Scaling h does not change a normalised CLP's scores.
+    assert mx.allclose(heads.clp_logits(7 * h, m), heads.clp_logits(h, m), atol=1e-4).item()
 
 
 def test_chained_heads_draft_in_turn(model):
