@@ -113,8 +113,8 @@ def stream_generate(
     with the most expected tokens per unit of pass time (see
     :mod:`clp_mlx.feed`; pass times are measured once per setup), "clp" only
     the drafts CLP expects to be accepted, "all" every draft. Same output.
-    ``lookup=False`` turns context drafts off (greedy clp and verify copy
-    drafts from the context when the heads were fitted for it);
+    ``lookup``: context drafts (heads fitted for them, greedy) on/off; None:
+    on for verify, off for clp;
     ``clp_threshold`` (clp mode) accepts the longest n with P(run >= n) at
     or above it instead of CLP's most likely run.
 

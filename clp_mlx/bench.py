@@ -1,9 +1,8 @@
 """``python -m clp_mlx.bench``: speed and quality of every method against ``ar``.
 
 Methods: our decode modes (``ar``, ``clp``, ``fixed``, ``gate``,
-``prior-mtp``, ``verify``, ``verify-clp``: verify feeding only the drafts
-CLP expects to pass, and ``verify-cost``: feeding the count with the most
-expected tokens per pass time) and two peers from mlx-lm, ``mlx-lm`` (its greedy
+``prior-mtp``, ``verify`` as generate runs it; variants in
+:mod:`clp_mlx.bench_methods`) and two peers from mlx-lm, ``mlx-lm`` (its greedy
 ``generate_step``) and ``mlx-lm-draft`` (its ``speculative_generate_step``
 with ``--draft-model`` drafting ``--draft-tokens`` tokens). All decode
 greedily from the same prompt ids; methods run interleaved, prompt by prompt,

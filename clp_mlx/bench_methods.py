@@ -21,12 +21,21 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from .decode import MODES, DecodeStats, decode
 from .errors import ClpError
 
-# verify with feed="clp" / feed="cost"; "-heads": context drafts off (the paper's drafts)
-OURS = (*MODES, "verify-clp", "verify-cost", "verify-heads", "clp-heads")
+# verify: as generate runs it (feed by cost, context drafts); verify-all / verify-clp:
+# feed every draft / what CLP expects to pass; verify-heads: no context drafts;
+# clp-ctx: clp with context drafts (clp alone is the paper's: the heads' drafts).
+OURS = (*MODES, "verify-all", "verify-clp", "verify-heads", "clp-ctx")
 PEERS = ("mlx-lm", "mlx-lm-draft")
 METHODS = (*OURS, *PEERS)
-LOSSLESS = ("ar", "verify", "verify-clp", "verify-cost", "verify-heads", *PEERS)
-THRESHOLDED = ("clp", "clp-heads", "prior-mtp")  # "clp@0.8": CLP's threshold rule
+LOSSLESS = ("ar", "verify", "verify-all", "verify-clp", "verify-heads", *PEERS)
+THRESHOLDED = ("clp", "clp-ctx", "prior-mtp")  # "clp@0.8": CLP's threshold rule
+_VARIANTS = {  # suffix: (feed, lookup)
+    "": ("cost", None),
+    "all": ("all", None),
+    "clp": ("clp", None),
+    "heads": ("cost", False),
+    "ctx": ("cost", True),
+}
 DEFAULT_MODES = ("ar", "verify", "clp", "fixed")
 WARMUP_TOKENS = 8
 
@@ -71,9 +80,8 @@ def _ours(model, heads, ids, mode, max_tokens):
     k = heads.k if heads is not None and mode != "ar" else 0
     stats = DecodeStats(mode, k)
     base, threshold = parse_method(mode)
-    kind, _, feed = base.partition("-")
-    lookup = None if feed != "heads" else False
-    feed = {"": "all", "heads": "cost"}.get(feed, feed)  # verify-heads feeds by cost
+    kind, _, variant = base.partition("-")
+    feed, lookup = _VARIANTS[variant]
     gen = decode(
         ids,
         model,

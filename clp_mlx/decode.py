@@ -21,10 +21,10 @@ Modes:
                With ``feed="clp"`` (greedy only) a step feeds just the drafts
                CLP expects to pass.
 
-Context drafts (greedy clp and verify, heads fitted with ``lookup``): when
-the last tokens occurred before in prompt + output, the drafts are copied
-from what followed them (:mod:`clp_mlx.lookup`) instead of the heads', and
-CLP's scores get the row for that match length. The copy happens on the
+Context drafts (greedy verify, and clp when asked; heads fitted with
+``lookup``): when the last tokens occurred before in prompt + output, the
+drafts are copied from what followed them (:mod:`clp_mlx.lookup`) instead
+of the heads', and CLP's scores get the row for that match length. The copy happens on the
 host between passes, where the step's tokens are read anyway.
 
 Sampling (``temp > 0``; ``temp == 0`` is the greedy path above, unchanged).
@@ -139,8 +139,9 @@ def decode(
     ``sampling``: None or temp 0 decodes greedily. The generator never
     prints; stop it early by closing it (EOS is the caller's business, as in
     mlx-lm).
-    ``lookup``: context drafts on/off for greedy clp and verify; None uses
-    them when the heads were fitted with them. ``clp_threshold`` (clp and
+    ``lookup``: context drafts on/off (heads fitted for them, greedy); None:
+    on for verify, off for clp, where an unchecked wrong copy can send the
+    backbone into a loop (1.5B on WikiText: repetition 0.24 against 0.04). ``clp_threshold`` (clp and
     prior-mtp): accept the longest n with P(run >= n) >= it, instead of
     CLP's most likely run (the paper's rule, None).
 
@@ -175,7 +176,8 @@ def decode(
     greedy_path = sampling is None or sampling.greedy
     choose = greedy if greedy_path else _Sampler(sampling)
     ctx = None
-    if greedy_path and mode in ("clp", "verify") and heads.config.lookup and lookup is not False:
+    wanted = lookup if lookup is not None else mode == "verify"
+    if greedy_path and mode in ("clp", "verify") and heads.config.lookup and wanted:
         ctx = _Context(heads, prompt.tolist())
 
     with mx.stream(_stream):

@@ -51,9 +51,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "accepted (clp), or every draft (all)",
     )
     p.add_argument(
-        "--no-context-drafts",
-        action="store_true",
-        help="draft with the heads only, never by copying from the context",
+        "--context-drafts",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="copy drafts from the context where it has a match (auto: in verify, not in clp)",
     )
     p.add_argument(
         "--clp-threshold",
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
         top_k=args.top_k,
         seed=args.seed,
         feed=args.verify_feed,
-        lookup=False if args.no_context_drafts else None,
+        lookup={"auto": None, "on": True, "off": False}[args.context_drafts],
         clp_threshold=args.clp_threshold,
     ):
         print(last.text, end="", flush=True)

@@ -98,7 +98,7 @@ def test_clp_mode_commits_the_copied_drafts_clp_accepts():
     heads.clp.bias = mx.zeros_like(heads.clp.bias)
     # No match: accept nothing; a match of n tokens: accept n drafts.
     heads.clp_context = 10.0 * mx.eye(4)
-    out = [t for t, _ in decode(prompt, model, heads, mode="clp", max_tokens=40)]
+    out = [t for t, _ in decode(prompt, model, heads, mode="clp", max_tokens=40, lookup=True)]
     # The same rule, step by step, recomputing the backbone from scratch.
     seq = list(prompt)
     while len(seq) < len(prompt) + 40:
@@ -121,14 +121,14 @@ def test_bench_methods_with_and_without_context_drafts():
     heads.clp.bias = mx.zeros_like(heads.clp.bias)
     # Match of length n: CLP's most likely run is n (P = e^2 / (e^2 + 3) = 0.71).
     heads.clp_context = 2.0 * mx.eye(4)
-    modes = ["ar", "verify", "verify-heads", "clp", "clp@0.99", "clp-heads"]
+    modes = ["ar", "verify", "verify-heads", "clp-ctx", "clp-ctx@0.99", "clp"]
     table = bench(model, heads, [prompt], modes, max_tokens=40)
     for m in ("verify", "verify-heads"):
         assert table[m]["identical_to_ar"] == 1.0, m
     assert table["verify"]["tokens_per_pass"] > table["verify-heads"]["tokens_per_pass"]
-    assert table["clp"]["tokens_per_pass"] > 1.5
-    assert table["clp@0.99"]["tokens_per_pass"] == 1.0  # P(run >= 1) = 0.9 < 0.99
-    assert table["clp-heads"]["tokens_per_pass"] == 1.0  # heads' drafts: row 0, accept none
+    assert table["clp-ctx"]["tokens_per_pass"] > 1.5
+    assert table["clp-ctx@0.99"]["tokens_per_pass"] == 1.0  # P(run >= 1) = 0.9 < 0.99
+    assert table["clp"]["tokens_per_pass"] == 1.0  # heads' drafts: row 0, accept none
 
 
 def test_clp_threshold_takes_the_longest_run_likely_enough():
