@@ -80,7 +80,7 @@ def _ours(model, heads, ids, mode, max_tokens):
     k = heads.k if heads is not None and mode != "ar" else 0
     stats = DecodeStats(mode, k)
     base, threshold = parse_method(mode)
-    kind, _, variant = base.partition("-")
+    kind, variant = (base, "") if base in MODES else base.split("-", 1)
     feed, lookup = _VARIANTS[variant]
     gen = decode(
         ids,

@@ -292,8 +292,9 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
     bundle.set_dtype(mx.float32)
     bundle.set_draft_vocab(vocab_ids)
     trainer = HeadTrainer(model, bundle, data, cfg, vocab_ids)
-    if trainer.restore(work / "checkpoint"):
-        print(f"resuming at step {trainer.step}", file=sys.stderr)
+    resumed = trainer.step if trainer.restore(work / "checkpoint") else 0
+    if resumed:
+        print(f"resuming at step {resumed}", file=sys.stderr)
     history = _train_loop(trainer, work, stop_after, held)
     t_heads = elapsed(t0)
     bundle.use_context(args.lookup)
@@ -306,6 +307,7 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
         "train_tokens": int(data.tokens.size),
         "train_positions": len(data),
         "held_out_positions": len(held),
+        "resumed_at_step": resumed,  # "seconds" then counts this run's work only
         "config": cfg.__dict__,
         "draft_vocab_coverage": round(coverage, 4),
         "seconds": {"features": t_features, "heads": t_heads - t_features, "total": elapsed(t0)},

@@ -110,7 +110,8 @@ def test_ours_and_mlx_lm_peers_are_identical_to_ar(model):
     heads = random_heads(model, 2, seed=2, scale=0.3)
     draft = tiny_model(seed=1, layers=1)
     prompts = [FakeTokenizer().encode(p) for p in ("abc", "hello")]
-    modes = ["ar", "verify", "verify-clp", "verify-all", "fixed", "mlx-lm", "mlx-lm-draft"]
+    modes = ["ar", "verify", "verify-clp", "verify-all", "fixed", "gate", "prior-mtp"]
+    modes += ["mlx-lm", "mlx-lm-draft"]
     table = bench(model, heads, prompts, modes, max_tokens=12, draft=draft, draft_tokens=3)
     assert list(table) == modes and table["ar"]["speedup"] == 1.0
     for m in ("verify", "verify-clp", "verify-all", "mlx-lm", "mlx-lm-draft"):

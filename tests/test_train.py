@@ -106,6 +106,8 @@ def test_resume_after_interrupt_equals_uninterrupted_run(setup):
         main(args(root, folder, text, "resumed", steps=30), stop_after=20)
     assert not (root / "resumed").exists()
     main(args(root, folder, text, "resumed", steps=30))
+    report = json.loads((root / "resumed" / "training.json").read_text())
+    assert report["resumed_at_step"] == 20
     a = mx.load(str(root / "straight" / "heads.safetensors"))
     b = mx.load(str(root / "resumed" / "heads.safetensors"))
     for key in a:
