@@ -287,8 +287,10 @@ def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, thresholds, st
         host = out.tolist()
         b, drafts, n = host[0], host[1:-1], host[-1]
         if ctx is not None:
-            drafts, scores = ctx.drafts([b], logits, lambda: ctx.heads_drafts(model, h, b))
+            drafts, scores = ctx.propose([b], logits)
             n = min(accept_count(mx.array(scores), thresholds[1]).item(), n_draft)
+            if drafts is None:
+                drafts = ctx.heads_drafts(model, h, b) if n else []
         n = min(n, max_tokens - produced - 1)
         committed = [b] + drafts[:n]
         if ctx is not None:
@@ -349,13 +351,15 @@ class _Context:
         # The step's scores hold row 0 (the heads' drafts) already.
         self.rows = [[x - x0 for x, x0 in zip(row, rows[0])] for row in rows]
 
-    def drafts(self, committed: list, logits: mx.array, heads_drafts) -> tuple[list, list]:
-        """Drafts after ``committed`` and CLP's scores for them: its scores
-        at h plus the row for the match length."""
+    def propose(self, committed: list, logits: mx.array) -> tuple[list | None, list]:
+        """The copied drafts after ``committed`` (None: no match, the heads
+        draft) and CLP's scores: its scores at h plus the match length's row.
+        The caller decides from the scores how many drafts it needs before
+        asking the heads for any."""
         self.drafter.extend(committed)
         copied, match = self.drafter.propose(self.heads.k)
         scores = [s + r for s, r in zip(logits.tolist(), self.rows[match])]
-        return (copied if match else heads_drafts()), scores
+        return (copied if match else None), scores
 
     def heads_drafts(self, model, h: mx.array, b: int) -> list:
         return _draft_tokens(model, self.heads, h, mx.array([b], dtype=mx.uint32))[0].tolist()
@@ -389,16 +393,15 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=
             # Never draft past max_tokens: the extra positions would be wasted.
             m_next = min(n_draft, max_tokens - produced - 1)
             if ctx is not None:
-                last = b[a]
-                drafts, scores = ctx.drafts(
-                    committed, logits, lambda: ctx.heads_drafts(model, h, last)
-                )
+                drafts, scores = ctx.propose(committed, logits)
             elif feed != "all":
                 scores = logits.tolist()
             if feed == "clp":
                 m_next = min(m_next, max(range(len(scores)), key=scores.__getitem__))
             elif feed == "cost":
                 m_next = best_feed(_softmax(scores), costs, m_next)
+            if drafts is None:  # no copy: the heads draft, if anything is fed
+                drafts = ctx.heads_drafts(model, h, b[a]) if m_next else []
             fed = [b[a]] + drafts[:m_next]
             out, logits, h = step(mx.array(fed, dtype=mx.uint32), m_next)
             mx.async_eval(out, logits, h)
