@@ -57,20 +57,25 @@ def fit_small(module, loss_fn, data: dict, steps: int = 300, lr: float = 3e-3, s
     return loss.item()
 
 
-def scored_drafts(model, bundle, data: Positions, n: int, seed: list, lookup: int = 0):
-    """The drafts at ``n`` positions of ``data`` drawn with ``seed``, the
-    heads' or (``lookup``) the context's where it has a match, as decoding
-    drafts: the positions, per draft whether it equals the backbone's greedy
-    token and the text's token there, both (n, k), and the match lengths."""
+def sampled_drafts(model, bundle, data: Positions, n: int, seed: list, lookup: int = 0):
+    """``n`` positions of ``data`` drawn with ``seed``, the heads' drafts
+    there (n, k), the drafts decoding makes there (with ``lookup``, the
+    context's copy where it has a match; else the heads') and the match
+    lengths (n,). The heads run once for both."""
     idx = np.random.default_rng(seed).choice(len(data), min(len(data), n), replace=False)
-    drafts = head_drafts(model, bundle, data, idx)
     at = data.index[idx]
-    match = np.zeros(at.size, dtype=np.int64)
-    if lookup:
-        copied, match = row_drafts(data.rows, at, bundle.k, lookup)
-        drafts = np.where(match[:, None] > 0, copied, drafts)
-    ahead = at[:, None] + np.arange(1, bundle.k + 1)[None]
-    return at, drafts == data.greedy[ahead], drafts == data.tokens[ahead + 1], match
+    heads = head_drafts(model, bundle, data, idx)
+    if not lookup:
+        return at, heads, heads, np.zeros(at.size, dtype=np.int64)
+    copied, match = row_drafts(data.rows, at, bundle.k, lookup)
+    return at, heads, np.where(match[:, None] > 0, copied, heads), match
+
+
+def scores(data: Positions, at: np.ndarray, drafts: np.ndarray):
+    """Per draft, whether it equals the backbone's greedy token and the
+    text's token at its position: both (n, k)."""
+    ahead = at[:, None] + np.arange(1, drafts.shape[1] + 1)[None]
+    return drafts == data.greedy[ahead], drafts == data.tokens[ahead + 1]
 
 
 def train_decisions(model, bundle, data: Positions, seed: int, steps: int, l2: float = 0.0) -> dict:
@@ -82,9 +87,10 @@ def train_decisions(model, bundle, data: Positions, seed: int, steps: int, l2: f
     hidden size (1.5B: 2.3k positions, 1536 inputs) and an unpenalised CLP
     learns them by heart and then accepts wrong drafts with confidence."""
     lookup = bundle.config.lookup
-    at, agree, truth, match = scored_drafts(
+    at, heads, drafts, match = sampled_drafts(
         model, bundle, data, 4 * SMALL_SAMPLE, [seed, 1], lookup
     )
+    agree, truth = scores(data, at, drafts)
     label = run_lengths(agree)
     h = mx.array(data.hidden[at], dtype=mx.float32)
     bundle.freeze()
@@ -107,7 +113,7 @@ def train_decisions(model, bundle, data: Positions, seed: int, steps: int, l2: f
     if lookup:
         out["with_context_agree_with_greedy"] = agree.mean(axis=0).round(4).tolist()
         out["with_context_mean_run_greedy"] = float(label.mean())
-        _, agree, truth, _ = scored_drafts(model, bundle, data, 4 * SMALL_SAMPLE, [seed, 1])
+        agree, truth = scores(data, at, heads)
     if "gate" in bundle:
         bundle.freeze()
         bundle.gate.unfreeze()
@@ -129,7 +135,8 @@ def evaluate(model, bundle, data: Positions, seed: int = 0, n: int = SMALL_SAMPL
     """Top-1 of each head vs the backbone's greedy and vs the text, alone and
     (bundles with context drafts) as decoding drafts; CLP's confusion."""
     lookup = bundle.config.lookup
-    at, agree, truth, _ = scored_drafts(model, bundle, data, n, [seed, 2])
+    at, heads, drafts, match = sampled_drafts(model, bundle, data, n, [seed, 2], lookup)
+    agree, truth = scores(data, at, heads)
     backbone_acc = float((data.greedy[at] == data.tokens[at + 1]).mean())
     out = {
         "positions": int(at.size),
@@ -139,7 +146,7 @@ def evaluate(model, bundle, data: Positions, seed: int = 0, n: int = SMALL_SAMPL
         "expected_tokens_per_pass_verify": round(1 + float(run_lengths(agree).mean()), 3),
     }
     if lookup:
-        at, agree, truth, match = scored_drafts(model, bundle, data, n, [seed, 2], lookup)
+        agree, truth = scores(data, at, drafts)
         out["with_context_drafts"] = {
             "draft_top1_vs_greedy": agree.mean(axis=0).round(4).tolist(),
             "draft_top1_vs_text": truth.mean(axis=0).round(4).tolist(),
@@ -325,7 +332,8 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
 def held_agreement(trainer: HeadTrainer, held: Positions) -> list:
     """Each head's agreement with greedy decoding on held-out prompts."""
     seed = [trainer.cfg.seed, 4]
-    _, agree, _, _ = scored_drafts(trainer.model, trainer.bundle, held, HELD_SAMPLE, seed)
+    at, heads, _, _ = sampled_drafts(trainer.model, trainer.bundle, held, HELD_SAMPLE, seed)
+    agree, _ = scores(held, at, heads)
     return agree.mean(axis=0).round(4).tolist()
 
 

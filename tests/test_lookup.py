@@ -70,6 +70,14 @@ def context_heads(model, k=3, lookup=3, seed=1):
     return heads
 
 
+def match_length_clp(heads, scale: float):
+    """CLP that ignores h and scores run n highest for a match of n tokens."""
+    heads.clp.weight = mx.zeros_like(heads.clp.weight)
+    heads.clp.bias = mx.zeros_like(heads.clp.bias)
+    heads.clp_context = scale * mx.eye(4)
+    return heads
+
+
 def looping_setup():
     model = tiny_model(5, vocab=32, tied=False)  # greedy: loops with variations
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
@@ -93,11 +101,8 @@ def test_verify_with_context_drafts_stays_exact(feed):
 
 def test_clp_mode_commits_the_copied_drafts_clp_accepts():
     model, prompt = looping_setup()
-    heads = context_heads(model)
-    heads.clp.weight = mx.zeros_like(heads.clp.weight)
-    heads.clp.bias = mx.zeros_like(heads.clp.bias)
     # No match: accept nothing; a match of n tokens: accept n drafts.
-    heads.clp_context = 10.0 * mx.eye(4)
+    heads = match_length_clp(context_heads(model), 10.0)
     out = [t for t, _ in decode(prompt, model, heads, mode="clp", max_tokens=40, lookup=True)]
     # The same rule, step by step, recomputing the backbone from scratch.
     seq = list(prompt)
@@ -116,11 +121,8 @@ def test_bench_methods_with_and_without_context_drafts():
     from clp_mlx.bench_methods import bench
 
     model, prompt = looping_setup()
-    heads = context_heads(model)
-    heads.clp.weight = mx.zeros_like(heads.clp.weight)
-    heads.clp.bias = mx.zeros_like(heads.clp.bias)
     # Match of length n: CLP's most likely run is n (P = e^2 / (e^2 + 3) = 0.71).
-    heads.clp_context = 2.0 * mx.eye(4)
+    heads = match_length_clp(context_heads(model), 2.0)
     modes = ["ar", "verify", "verify-heads", "clp-ctx", "clp-ctx@0.99", "clp"]
     table = bench(model, heads, [prompt], modes, max_tokens=40)
     for m in ("verify", "verify-heads"):
