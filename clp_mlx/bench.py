@@ -19,8 +19,9 @@ user turn plus the generation prompt) when the tokenizer has one; WikiText
 openings never are. ``always`` wraps both (an error if the tokenizer has no
 template), ``never`` neither.
 
-Per method: decode tok/s from the first token on and prefill seconds (time to
-first token), medians; speed-up = median over prompts of the per-prompt ratio
+Each prompt is prefilled once (timed: ``prefill_s``) and every method decodes
+from that cache. Per method: decode tok/s from the first token on and the time
+to the first token after the prefill, medians; speed-up = median over prompts of the per-prompt ratio
 to ``ar`` on the same prompt, with its min-max; tokens per backbone pass and
 the accepted-draft histogram; repetition; share of outputs identical to
 ``ar`` and mean common prefix with it; perplexity of the output under the

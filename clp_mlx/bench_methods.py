@@ -1,9 +1,12 @@
 """Running the benchmarked methods: our decode modes and mlx-lm's two decoders.
 
-Every method is timed the same way: the clock starts before the generator is
-created, the first token marks the end of the prefill (time to first token),
-and decode speed is the remaining tokens over the time they took. No method
-stops at EOS: each writes exactly ``max_tokens`` tokens.
+Every method is timed the same way from the same start: a prompt is fed once
+(all but its last token, timed: the prefill) into a cache of the backbone and
+one of the draft model, and each method decodes from those caches, rewound to
+the prompt after it. The clock starts before the generator is created, the
+first token marks the first pass over the prompt's last token, and decode
+speed is the remaining tokens over the time they took. No method stops at
+EOS: each writes exactly ``max_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .decode import MODES, DecodeStats, decode
+from .decode import MODES, DecodeStats, decode, prefill
 from .errors import ClpError
 
 # verify: as generate runs it (feed by cost, context drafts); verify-all / verify-clp:
@@ -70,34 +74,69 @@ class Run:
 
     tokens: list
     tps: float  # decode tokens/s, from the first token on
-    prefill: float  # seconds to the first token
+    first: float  # seconds to the first token, from the prefilled prompt
     steps: int  # backbone (target model) passes
     accepted: list  # accepted[n]: passes that committed n drafts
     peak: float  # bytes, see peak_memory_source()
 
 
-def _ours(model, heads, ids, mode, max_tokens):
+@dataclass
+class Start:
+    """A prompt fed once: caches holding all but its last token."""
+
+    ids: list
+    cache: list  # the backbone's
+    draft_cache: list | None  # the draft model's, for mlx-lm-draft
+    seconds: float  # the backbone's prefill
+
+    @classmethod
+    def prefill(cls, model, ids: list, draft=None) -> Start:
+        prompt = mx.array(ids, dtype=mx.uint32)
+        tic = time.perf_counter()
+        cache = make_prompt_cache(model)
+        prefill(model, prompt, cache)
+        seconds = time.perf_counter() - tic
+        draft_cache = None
+        if draft is not None:
+            draft_cache = make_prompt_cache(draft)
+            prefill(draft, prompt, draft_cache)
+        return cls(list(ids), cache, draft_cache, seconds)
+
+    def rewind(self) -> None:
+        """Drop what a method added after the prompt."""
+        for c in (self.cache, self.draft_cache):
+            if c is not None:
+                trim_prompt_cache(c, c[0].offset - (len(self.ids) - 1))
+
+
+def _ours(model, heads, start, mode, max_tokens):
     k = heads.k if heads is not None and mode != "ar" else 0
     stats = DecodeStats(mode, k)
     base, threshold = parse_method(mode)
     kind, variant = (base, "") if base in MODES else base.split("-", 1)
     feed, lookup = _VARIANTS[variant]
     gen = decode(
-        ids,
+        start.ids[-1:],
         model,
         heads,
         mode=kind,
         max_tokens=max_tokens,
+        prompt_cache=start.cache,
         stats=stats,
         feed=feed,
         lookup=lookup,
         clp_threshold=threshold,
+        context=start.ids[:-1],
     )
     return (t for t, _ in gen), lambda: (stats.steps, list(stats.accepted))
 
 
-def _mlx_lm(model, ids, max_tokens):
-    gen = generate_step(mx.array(ids, dtype=mx.uint32), model, max_tokens=max_tokens)
+def _last(start) -> mx.array:
+    return mx.array(start.ids[-1:], dtype=mx.uint32)
+
+
+def _mlx_lm(model, start, max_tokens):
+    gen = generate_step(_last(start), model, max_tokens=max_tokens, prompt_cache=start.cache)
     count = [0]
 
     def tokens():
@@ -108,14 +147,15 @@ def _mlx_lm(model, ids, max_tokens):
     return tokens(), lambda: (count[0], [count[0]])
 
 
-def _mlx_lm_draft(model, draft, ids, max_tokens, draft_tokens):
+def _mlx_lm_draft(model, draft, start, max_tokens, draft_tokens):
     """speculative_generate_step; a target pass ends at its first non-draft token."""
     gen = speculative_generate_step(
-        mx.array(ids, dtype=mx.uint32),
+        _last(start),
         model,
         draft,
         num_draft_tokens=draft_tokens,
         max_tokens=max_tokens,
+        prompt_cache=start.cache + start.draft_cache,
     )
     hist, run = [0] * (draft_tokens + 1), [0]
 
@@ -138,23 +178,26 @@ def _mlx_lm_draft(model, draft, ids, max_tokens, draft_tokens):
     return tokens(), counts
 
 
-def run_one(model, heads, ids, method, max_tokens, *, draft=None, draft_tokens=3) -> Run:
-    """Generate ``max_tokens`` tokens from ``ids`` with ``method``, timed."""
+def run_one(model, heads, start, method, max_tokens, *, draft=None, draft_tokens=3) -> Run:
+    """Generate ``max_tokens`` tokens after ``start`` with ``method``, timed."""
+    if method == "mlx-lm-draft" and (draft is None or start.draft_cache is None):
+        raise ClpError("mlx-lm-draft needs a draft model (--draft-model)")
+    start.rewind()
     reset_peak_memory()
     tic = time.perf_counter()
     if method == "mlx-lm":
-        gen, counts = _mlx_lm(model, ids, max_tokens)
+        gen, counts = _mlx_lm(model, start, max_tokens)
     elif method == "mlx-lm-draft":
-        if draft is None:
-            raise ClpError("mlx-lm-draft needs a draft model (--draft-model)")
-        gen, counts = _mlx_lm_draft(model, draft, ids, max_tokens, draft_tokens)
+        gen, counts = _mlx_lm_draft(model, draft, start, max_tokens, draft_tokens)
     else:
-        gen, counts = _ours(model, heads, ids, method, max_tokens)
+        gen, counts = _ours(model, heads, start, method, max_tokens)
     first = next(gen)
     t_first = time.perf_counter()
     out = [first, *gen]
     done = time.perf_counter()
+    gen.close()  # a generator's finally (mlx-lm's stream restore) runs now, not at gc
     steps, accepted = counts()
+    start.rewind()
     tps = (len(out) - 1) / (done - t_first) if done > t_first else 0.0
     return Run(out, tps, t_first - tic, steps, accepted, peak_memory())
 
@@ -162,18 +205,27 @@ def run_one(model, heads, ids, method, max_tokens, *, draft=None, draft_tokens=3
 # -- quality, after timing ----------------------------------------------------
 
 
-def continuation_nll(model, prompt: list, generated: list) -> float:
+def continuation_nll(model, prompt: list, generated: list, start: Start | None = None) -> float:
     """Sum of -log p(token) over ``generated``, each given prompt + earlier tokens.
 
-    One teacher-forced pass of the backbone, no cache, in float32.
+    One teacher-forced pass of the backbone in float32: over prompt and
+    output, or over the output alone after ``start`` (``prompt`` prefilled).
     """
     if not generated:
         return 0.0
-    ids = mx.array(list(prompt) + list(generated[:-1]), dtype=mx.uint32)
-    logits = model(ids[None])[0, len(prompt) - 1 :].astype(mx.float32)
+    if start is None:
+        ids = mx.array(list(prompt) + list(generated[:-1]), dtype=mx.uint32)
+        logits = model(ids[None])[0, len(prompt) - 1 :].astype(mx.float32)
+    else:
+        start.rewind()
+        ids = mx.array(list(prompt[-1:]) + list(generated[:-1]), dtype=mx.uint32)
+        logits = model(ids[None], cache=start.cache)[0].astype(mx.float32)
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     picked = mx.take_along_axis(logp, mx.array(generated, dtype=mx.int32)[:, None], axis=-1)
-    return float(-mx.sum(picked))
+    nll = float(-mx.sum(picked))
+    if start is not None:
+        start.rewind()
+    return nll
 
 
 def perplexity(model, prompt: list, generated: list) -> float:
@@ -198,20 +250,27 @@ def bench(model, heads, prompts, methods, *, max_tokens, repeats=1, draft=None, 
     """Run ``methods`` on each prompt (token id lists); return method -> figures."""
     methods = ["ar", *(m for m in dict.fromkeys(methods) if m != "ar")]
     kw = {"draft": draft, "draft_tokens": draft_tokens}
+    drafting = draft if "mlx-lm-draft" in methods else None
+    start = Start.prefill(model, prompts[0], drafting)
     for m in methods:  # warm-up: first-call costs stay out of the figures
-        run_one(model, heads, prompts[0], m, min(WARMUP_TOKENS, max_tokens), **kw)
+        run_one(model, heads, start, m, min(WARMUP_TOKENS, max_tokens), **kw)
     runs = {m: [] for m in methods}
+    nll, prefills = {}, []  # quality after each prompt's timing; lossless outputs share a pass
     for i, ids in enumerate(prompts):
+        start = Start.prefill(model, ids, drafting)
+        prefills.append(start.seconds)
         for _ in range(repeats):
             for m in methods:
-                runs[m].append((i, run_one(model, heads, ids, m, max_tokens, **kw)))
-    nll = {}  # quality after timing; lossless outputs share one pass
-    for m in methods:
-        for i, r in runs[m]:
-            key = (i, tuple(r.tokens))
-            if key not in nll:
-                nll[key] = continuation_nll(model, prompts[i], r.tokens)
-    return {m: _figures(m, runs[m], runs["ar"], nll) for m in methods}
+                runs[m].append((i, run_one(model, heads, start, m, max_tokens, **kw)))
+        for m in methods:
+            for j, r in runs[m]:
+                key = (j, tuple(r.tokens))
+                if j == i and key not in nll:
+                    nll[key] = continuation_nll(model, ids, r.tokens, start)
+        del start
+        mx.clear_cache()
+    prefill_s = round(statistics.median(prefills), 4)
+    return {m: {**_figures(m, runs[m], runs["ar"], nll), "prefill_s": prefill_s} for m in methods}
 
 
 def _figures(method, runs, ar_runs, nll) -> dict:
@@ -224,7 +283,7 @@ def _figures(method, runs, ar_runs, nll) -> dict:
         "lossless": method in LOSSLESS,
         "runs": len(runs),
         "decode_tps": round(statistics.median(r.tps for _, r in runs), 3),
-        "prefill_s": round(statistics.median(r.prefill for _, r in runs), 4),
+        "first_token_s": round(statistics.median(r.first for _, r in runs), 4),
         "speedup": round(statistics.median(ratios), 3),
         "speedup_min": round(min(ratios), 3),
         "speedup_max": round(max(ratios), 3),

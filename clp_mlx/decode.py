@@ -129,6 +129,7 @@ def decode(
     feed: str = "all",
     lookup: bool | None = None,
     clp_threshold: float | None = None,
+    context: list | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` pairs, one backbone pass per step.
 
@@ -143,7 +144,9 @@ def decode(
     on for verify, off for clp, where an unchecked wrong copy can send the
     backbone into a loop (1.5B on WikiText: repetition 0.24 against 0.04). ``clp_threshold`` (clp and
     prior-mtp): accept the longest n with P(run >= n) >= it, instead of
-    CLP's most likely run (the paper's rule, None).
+    CLP's most likely run (the paper's rule, None). ``context``: the tokens
+    ``prompt_cache`` already holds before ``prompt``, for context drafts to
+    copy from (a prompt cache, a conversation); they are not fed again.
 
     The step after the tokens being yielded is already queued, so when the
     caller stops, ``prompt_cache`` may hold tokens beyond those it received
@@ -178,7 +181,7 @@ def decode(
     ctx = None
     wanted = lookup if lookup is not None else mode == "verify"
     if greedy_path and mode in ("clp", "verify") and heads.config.lookup and wanted:
-        ctx = _Context(heads, prompt.tolist())
+        ctx = _Context(heads, list(context or []) + prompt.tolist())
 
     with mx.stream(_stream):
         last = prefill(model, prompt, cache)

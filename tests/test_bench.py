@@ -8,9 +8,10 @@ import pytest
 from conftest import FakeTokenizer, random_heads, tiny_model, write_model_folder
 
 from clp_mlx.bench import bench, main, repetition_ratio, settings, wikitext_prompts
-from clp_mlx.bench_methods import continuation_nll, perplexity
+from clp_mlx.bench_methods import Start, continuation_nll, perplexity, run_one
 from clp_mlx.bench_prompts import encode_prompts, instruction_prompts
 from clp_mlx.bench_report import plots, write_json
+from clp_mlx.decode import decode
 from clp_mlx.errors import ClpError
 
 ARTICLES = """ = First article =
@@ -104,6 +105,20 @@ def test_perplexity_matches_a_hand_computation(model):
         nll -= logits[tok] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
     assert continuation_nll(model, prompt, generated) == pytest.approx(nll, rel=1e-4)
     assert perplexity(model, prompt, generated) == pytest.approx(np.exp(nll / 4), rel=1e-4)
+    start = Start.prefill(model, prompt)
+    assert continuation_nll(model, prompt, generated, start) == pytest.approx(nll, rel=1e-4)
+    assert start.cache[0].offset == len(prompt) - 1  # rewound for the next method
+
+
+def test_methods_from_one_prefill_match_fresh_decoding(model):
+    """Every method starts from the same prefilled cache, rewound after each."""
+    heads = random_heads(model, 2, seed=2, scale=0.3)
+    ids = FakeTokenizer().encode("hello there")
+    start = Start.prefill(model, ids)
+    for mode in ("ar", "verify", "fixed", "ar"):
+        fresh = [t for t, _ in decode(ids, model, heads, mode=mode, max_tokens=10)]
+        assert run_one(model, heads, start, mode, 10).tokens == fresh, mode
+        assert start.cache[0].offset == len(ids) - 1
 
 
 def test_ours_and_mlx_lm_peers_are_identical_to_ar(model):
@@ -124,7 +139,8 @@ def test_ours_and_mlx_lm_peers_are_identical_to_ar(model):
     hist = table["mlx-lm-draft"]["accepted_histogram"]
     assert len(hist) == 4 and sum(n * c for n, c in enumerate(hist)) + sum(hist) == 24
     for r in table.values():
-        assert r["prefill_s"] > 0 and r["peak_memory_gb"] > 0 and r["perplexity"] >= 1
+        assert r["prefill_s"] > 0 and r["first_token_s"] > 0 and r["peak_memory_gb"] > 0
+        assert r["perplexity"] >= 1
 
 
 def test_a_draft_model_equal_to_the_target_is_always_accepted(model):

@@ -117,6 +117,22 @@ def test_clp_mode_commits_the_copied_drafts_clp_accepts():
     ]
 
 
+def test_context_lets_a_prefilled_cache_copy_from_the_tokens_it_holds():
+    model, prompt = looping_setup()
+    heads = match_length_clp(context_heads(model), 10.0)
+    kw = {"mode": "clp", "max_tokens": 30, "lookup": True}
+    fresh = [t for t, _ in decode(prompt, model, heads, **kw)]
+    cache = make_prompt_cache(model)
+    hidden_states(model, mx.array(prompt[:-1]), cache)
+    tail = prompt[-1:]
+    with_context = decode(tail, model, heads, prompt_cache=cache, context=prompt[:-1], **kw)
+    assert [t for t, _ in with_context] == fresh
+    cache = make_prompt_cache(model)
+    hidden_states(model, mx.array(prompt[:-1]), cache)
+    # Without it, the drafter sees one token: the copies differ, so does the output.
+    assert [t for t, _ in decode(tail, model, heads, prompt_cache=cache, **kw)] != fresh
+
+
 def test_bench_methods_with_and_without_context_drafts():
     from clp_mlx.bench_methods import bench
 
