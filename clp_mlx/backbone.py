@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import ClpError
+from .padrows import pad_rows
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -42,6 +43,7 @@ def load_backbone(path: str | Path, dtype: str | None = None):
         raise ClpError(f"{path}: model_type {model.model_type!r} is not qwen2")
     model.set_dtype(DTYPES[dtype])
     mx.eval(model.parameters())
+    pad_rows(model)
     return model, tokenizer
 
 

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import _blas
 from .backbone import hidden_states, project, signature
+from .padrows import is_padded
 
 _measured: dict[str, list[float]] = {}  # by setup, as on disk
 
@@ -37,6 +38,7 @@ def _setup_key(model) -> str:
     """What pass times depend on: the backbone's weights and shape, dtype, device, BLAS."""
     sig = signature(model)
     blas = os.environ.get("CLP_MLX_BLAS") or ("openblas" if _blas.loaded else "default")
+    blas += "+pad16" if is_padded(model) else ""
     dtype = model.model.norm.weight.dtype
     return f"{sig['fingerprint']}|{sig['num_layers']}x{sig['hidden_size']}|{dtype}|{mx.default_device()}|{blas}"
 

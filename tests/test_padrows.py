@@ -1,0 +1,83 @@
+"""Row padding: the same numbers from a padded pass, and only where it is wanted."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import random_heads, tiny_model
+from mlx_lm.models.cache import make_prompt_cache
+
+from clp_mlx import padrows
+from clp_mlx.backbone import hidden_states, project
+from clp_mlx.decode import decode
+
+
+def logits_of(model, tokens):
+    return project(model, hidden_states(model, mx.array(tokens), make_prompt_cache(model)))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_padded_model_computes_the_same_logits(tied):
+    model = tiny_model(seed=3, tied=tied)
+    tokens = list(range(5, 25))
+    plain = {n: np.array(logits_of(model, tokens[:n])) for n in (1, 2, 3, 4, 15, 16, 20)}
+    assert padrows.pad_rows(model, force=True) and padrows.is_padded(model)
+    padded_output = (
+        isinstance(model.model.embed_tokens, padrows.PaddedEmbedding)
+        if tied
+        else isinstance(model.lm_head, padrows.PaddedLinear)
+    )
+    assert padded_output
+    for n, want in plain.items():
+        got = np.array(logits_of(model, tokens[:n]))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_padding_only_touches_three_to_fifteen_rows():
+    calls = []
+    layer = padrows.PaddedLinear(8, 4)
+    for m in (1, 2, 3, 15, 16, 40):
+        calls.append(layer(mx.ones((1, m, 8))).shape)
+    assert calls == [(1, m, 4) for m in (1, 2, 3, 15, 16, 40)]
+    wide = []
+    original = nn.Linear.__call__
+    try:
+        nn.Linear.__call__ = lambda self, x: wide.append(x.shape[-2]) or original(self, x)
+        for m in (1, 2, 3, 15, 16, 40):
+            layer(mx.ones((1, m, 8)))
+    finally:
+        nn.Linear.__call__ = original
+    assert wide == [1, 2, 16, 16, 16, 40]
+
+
+def test_verify_on_a_padded_model_is_still_greedy_decoding():
+    model = tiny_model(seed=4)
+    heads = random_heads(model, 3, seed=1, scale=0.3)
+    prompt = [3, 9, 27, 81]
+    ar = [t for t, _ in decode(prompt, model, heads, mode="ar", max_tokens=24)]
+    padrows.pad_rows(model, force=True)
+    verify = [t for t, _ in decode(prompt, model, heads, mode="verify", max_tokens=24)]
+    assert verify == ar
+
+
+def test_padding_is_off_when_asked_and_off_the_fp32_path(monkeypatch):
+    model = tiny_model(seed=5)
+    monkeypatch.setattr(padrows._blas, "loaded", True)
+    monkeypatch.setattr(padrows.mx, "default_device", lambda: mx.cpu)
+    assert padrows.wanted(model)
+    monkeypatch.setenv("CLP_MLX_PAD_ROWS", "0")
+    assert not padrows.pad_rows(model) and not padrows.is_padded(model)
+    monkeypatch.delenv("CLP_MLX_PAD_ROWS")
+    model.set_dtype(mx.float16)
+    assert not padrows.wanted(model)
+    monkeypatch.setattr(padrows._blas, "loaded", False)
+    assert not padrows.wanted(tiny_model(seed=5))
+
+
+def test_quantized_layers_are_left_alone():
+    model = tiny_model(seed=6, hidden=64)
+    nn.quantize(model, group_size=32, bits=4)
+    padrows.pad_rows(model, force=True)
+    kinds = {type(m) for _, m in model.named_modules()}
+    assert nn.QuantizedLinear in kinds and padrows.PaddedLinear not in kinds
