@@ -106,6 +106,7 @@ def stream_generate(
     feed: str = "cost",
     lookup: bool | None = None,
     clp_threshold: float | None = None,
+    tree: int | None = None,
 ):
     """Yield a :class:`Response` per token; the last one has a finish reason.
 
@@ -116,7 +117,10 @@ def stream_generate(
     ``lookup``: context drafts (heads fitted for them, greedy) on/off; None:
     on for verify, off for clp;
     ``clp_threshold`` (clp mode) accepts the longest n with P(run >= n) at
-    or above it instead of CLP's most likely run.
+    or above it instead of CLP's most likely run. ``tree`` (greedy verify):
+    the most tokens a step that feeds 2+ drafts may feed as a token tree;
+    None: where wide passes are padded, the padded width (see
+    :func:`clp_mlx.decode.decode`).
 
     ``temp`` 0 is greedy; above 0, tokens are sampled (``top_p``/``top_k``
     as in mlx-lm; ``seed`` None follows ``mx.random.seed``). ``verify``
@@ -144,6 +148,7 @@ def stream_generate(
         feed=feed,
         lookup=lookup,
         clp_threshold=clp_threshold,
+        tree=tree,
     )
     tic = time.perf_counter()
     prompt_tps = 0.0

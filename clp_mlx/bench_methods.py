@@ -25,20 +25,22 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from .decode import MODES, DecodeStats, decode, prefill
 from .errors import ClpError
 
-# verify: as generate runs it (feed by cost, context drafts); verify-all / verify-clp:
-# feed every draft / what CLP expects to pass; verify-heads: no context drafts;
-# clp-ctx: clp with context drafts (clp alone is the paper's: the heads' drafts).
-OURS = (*MODES, "verify-all", "verify-clp", "verify-heads", "clp-ctx")
+# verify: as generate runs it (feed by cost, context drafts, token trees where wide
+# passes are padded); verify-all / verify-clp: feed every draft / what CLP expects to
+# pass; verify-heads: no context drafts; verify-chain: no trees; clp-ctx: clp with
+# context drafts (clp alone is the paper's: the heads' drafts).
+OURS = (*MODES, "verify-all", "verify-clp", "verify-heads", "verify-chain", "clp-ctx")
 PEERS = ("mlx-lm", "mlx-lm-draft")
 METHODS = (*OURS, *PEERS)
-LOSSLESS = ("ar", "verify", "verify-all", "verify-clp", "verify-heads", *PEERS)
+LOSSLESS = ("ar", "verify", "verify-all", "verify-clp", "verify-heads", "verify-chain", *PEERS)
 THRESHOLDED = ("clp", "clp-ctx", "prior-mtp")  # "clp@0.8": CLP's threshold rule
-_VARIANTS = {  # suffix: (feed, lookup)
-    "": ("cost", None),
-    "all": ("all", None),
-    "clp": ("clp", None),
-    "heads": ("cost", False),
-    "ctx": ("cost", True),
+_VARIANTS = {  # suffix: (feed, lookup, tree)
+    "": ("cost", None, None),
+    "all": ("all", None, None),
+    "clp": ("clp", None, None),
+    "heads": ("cost", False, None),
+    "chain": ("cost", None, 0),
+    "ctx": ("cost", True, None),
 }
 DEFAULT_MODES = ("ar", "verify", "clp", "fixed")
 WARMUP_TOKENS = 8
@@ -114,7 +116,7 @@ def _ours(model, heads, start, mode, max_tokens):
     stats = DecodeStats(mode, k)
     base, threshold = parse_method(mode)
     kind, variant = (base, "") if base in MODES else base.split("-", 1)
-    feed, lookup = _VARIANTS[variant]
+    feed, lookup, tree = _VARIANTS[variant]
     gen = decode(
         start.ids[-1:],
         model,
@@ -127,6 +129,7 @@ def _ours(model, heads, start, mode, max_tokens):
         lookup=lookup,
         clp_threshold=threshold,
         context=start.ids[:-1],
+        tree=tree,
     )
     return (t for t, _ in gen), lambda: (stats.steps, list(stats.accepted))
 

@@ -5,7 +5,10 @@ the output projection of those n rows and the greedy choice: what ``ar``
 pays per token at n = 1), and the full step graphs of ``clp`` (1 token fed)
 and ``verify`` (k+1 tokens fed): their extra over the backbone pass of the
 same width is drafting + CLP + verification. Configurations are interleaved
-and each figure is the median of several runs. A benchmark, not a test.
+and each figure is the median of several runs. Then the host's share of a
+step: building a verify step's graph, the heads' drafts asked for after the
+pass (a step with no context match that feeds drafts), the context drafter,
+and detokenizing one token (generate's streaming). A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -19,7 +22,20 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from . import backbone
 from .cli import run
-from .decode import greedy, unchecked_step, verify_step
+from .decode import check_argmax, greedy, unchecked_step
+from .lookup import ContextDrafter
+from .padrows import ROWS
+from .tree import Tree, verify_tree_step
+
+
+def _verify(model, heads, fed: Tree, cache):
+    return verify_tree_step(model, heads, fed, cache, 1, check_argmax)[0]
+
+
+def _tree(tokens: list, k: int) -> Tree:
+    """A full tree of ROWS tokens: branches of k drafts after tokens[0]."""
+    rest = tokens[1:]
+    return Tree.build(tokens[0], [rest[i : i + k] for i in range(0, len(rest), k)], ROWS)
 
 
 def _timed(fn, cache, tokens) -> float:
@@ -45,11 +61,16 @@ def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
         return unchecked_step(model, heads, tokens, cache, "clp", k)[0]
 
     def verify(tokens):
-        return verify_step(model, heads, tokens, cache, tokens.size - 1)[0]
+        return _verify(model, heads, Tree.chain(tokens.tolist()), cache)
+
+    def verify_tree(tokens):
+        return _verify(model, heads, _tree(tokens.tolist(), k), cache)
 
     configs = {f"backbone x{n}": (plain, n) for n in range(1, k + 2)}
+    configs[f"backbone x{ROWS}"] = (plain, ROWS)
     configs["clp step (1 fed)"] = (clp_step, 1)
     configs[f"verify step ({k + 1} fed)"] = (verify, k + 1)
+    configs[f"verify step (tree of {ROWS})"] = (verify_tree, ROWS)
     times = {name: [] for name in configs}
     for r in range(repeats + 2):  # two warm-up rounds
         for name, (fn, n) in configs.items():
@@ -57,6 +78,63 @@ def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
             if r >= 2:
                 times[name].append(dt)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times) * 1e3
+
+
+def host_costs(model, heads, tokenizer, *, context: int = 100, repeats: int = 7) -> dict:
+    """Milliseconds of the per-step work around the backbone pass."""
+    k = heads.k
+    cache = make_prompt_cache(model)
+    mx.random.seed(1)
+    history = mx.random.randint(0, model.args.vocab_size, (context,)).astype(mx.uint32)
+    h = backbone.hidden_states(model, history, cache)[-1:]
+    mx.eval(h, [c.state for c in cache])
+    fed = _tree(history[:ROWS].tolist(), k)
+
+    def build():  # the graph only; evaluated (and trimmed) outside the clock
+        tic = time.perf_counter()
+        out = _verify(model, heads, fed, cache)
+        built.append(time.perf_counter() - tic)
+        mx.eval(out)
+        trim_prompt_cache(cache, ROWS)
+
+    built = []
+    for _ in range(repeats + 1):
+        build()
+    words = history.tolist()
+    drafter = ContextDrafter(words, heads.config.lookup or 3)
+
+    def detokenize():
+        detok = tokenizer.detokenizer
+        detok.reset()
+        for t in words[:32]:
+            detok.add_token(t)
+        detok.finalize()
+
+    b = mx.array([words[-1]], dtype=mx.uint32)
+    width = (ROWS - 1) // k
+    return {
+        "build a verify step's graph (tree)": statistics.median(built[1:]) * 1e3,
+        "heads' drafts after the pass": _median_ms(
+            lambda: heads.draft_branches(model, h, b, 1).tolist(), repeats
+        ),
+        f"heads' {width} branches after the pass": _median_ms(
+            lambda: heads.draft_branches(model, h, b, width).tolist(), repeats
+        ),
+        "context drafter (extend + propose)": _median_ms(
+            lambda: (drafter.extend(words[:1]), drafter.propose(k)), repeats
+        ),
+        "detokenize one token": _median_ms(detokenize, repeats) / 32,
+    }
 
 
 def main(argv=None) -> int:
@@ -72,7 +150,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from .generate import load
 
-    model, _, heads = load(
+    model, tokenizer, heads = load(
         args.model, args.heads or "init", dtype=args.dtype, num_draft_tokens=args.num_draft_tokens
     )
     ms = measure(model, heads, context=args.context, repeats=args.repeats)
@@ -90,6 +168,9 @@ def main(argv=None) -> int:
     print(
         f"verify: drafting + verification = {ver_extra:.1f} ms ({ver_extra / plain:.1%} of a plain step)"
     )
+    print("\n| host work per step | ms | vs plain step |\n| --- | ---: | ---: |")
+    for name, v in host_costs(model, heads, tokenizer, context=args.context).items():
+        print(f"| {name} | {v:.2f} | {v / plain:.1%} |")
     return 0
 
 

@@ -61,10 +61,12 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .backbone import hidden_states, project
 from .errors import ClpError
+from . import padrows
 from .feed import best_feed, pass_costs
 from .heads import MTPBundle, accept_count
 from .lookup import ContextDrafter
 from .sampling import Sampling, accept_drafts, draw, log_probs
+from .tree import Tree, keep_path, supported, verify_tree_step
 
 MODES = ("ar", "clp", "fixed", "gate", "prior-mtp", "verify")
 FEEDS = ("all", "clp", "cost")  # how many drafts greedy verify feeds; see _verify
@@ -103,6 +105,17 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
 
+def check_argmax(logits: mx.array) -> mx.array:
+    """The backbone's choice at each row of a verify pass.
+
+    A plain argmax: the log-softmax of :func:`greedy` costs ~2.4 ms per row
+    of a 152k vocabulary on a CPU (40 ms for a 16-token tree), and the rows
+    of a wide pass differ from a one-token pass's by matmul rounding anyway,
+    far more than the subtraction of a row's constant can move a near-tie.
+    """
+    return mx.argmax(logits, axis=-1)
+
+
 def prefill(model, prompt: mx.array, cache) -> mx.array:
     """Feed all but the last prompt token; return what is left to feed."""
     while prompt.size > 1:
@@ -130,6 +143,7 @@ def decode(
     lookup: bool | None = None,
     clp_threshold: float | None = None,
     context: list | None = None,
+    tree: int | None = None,
 ) -> Iterator[tuple[int, bool]]:
     """Yield ``(token, from_draft)`` pairs, one backbone pass per step.
 
@@ -147,6 +161,11 @@ def decode(
     CLP's most likely run (the paper's rule, None). ``context``: the tokens
     ``prompt_cache`` already holds before ``prompt``, for context drafts to
     copy from (a prompt cache, a conversation); they are not fed again.
+    ``tree`` (greedy verify): a step that feeds 2 or more drafts feeds a
+    token tree of up to this many tokens, alternatives included
+    (:mod:`clp_mlx.tree`); 0 feeds a chain. None: the padded width where
+    wide passes are padded (OpenBLAS, :mod:`clp_mlx.padrows`), where the
+    extra rows cost nothing; else 0.
 
     The step after the tokens being yielded is already queued, so when the
     caller stops, ``prompt_cache`` may hold tokens beyond those it received
@@ -167,6 +186,8 @@ def decode(
         raise ClpError(f"feed must be one of {', '.join(FEEDS)}, got {feed!r}")
     if clp_threshold is not None and not 0 < clp_threshold <= 1:
         raise ClpError(f"clp_threshold must be in (0, 1], got {clp_threshold}")
+    if tree is not None and tree < 0:
+        raise ClpError(f"tree must be 0 (a chain) or a number of tokens, got {tree}")
     if mode == "prior-mtp" and "head0" not in heads:
         raise ClpError("mode 'prior-mtp' needs heads with a head 0")
     k = heads.k if heads is not None and mode != "ar" else 0
@@ -188,7 +209,11 @@ def decode(
         if mode == "ar":
             yield from _ar(model, last, cache, max_tokens, stats, choose)
         elif mode == "verify" and greedy_path:
-            yield from _verify(model, heads, last, cache, max_tokens, n_draft, stats, feed, ctx)
+            if tree is None:
+                tree = padrows.ROWS if padrows.is_padded(model) else 0
+            yield from _verify(
+                model, heads, last, cache, max_tokens, n_draft, stats, feed, ctx, tree
+            )
         elif mode == "verify":
             yield from _verify_sampled(
                 model, heads, last, cache, max_tokens, n_draft, stats, choose
@@ -293,7 +318,7 @@ def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, thresholds, st
             drafts, scores = ctx.propose([b], logits)
             n = min(accept_count(mx.array(scores), thresholds[1]).item(), n_draft)
             if drafts is None:
-                drafts = ctx.heads_drafts(model, h, b) if n else []
+                drafts = ctx.heads_branches(model, h, b, 1)[0] if n else []
         n = min(n, max_tokens - produced - 1)
         committed = [b] + drafts[:n]
         if ctx is not None:
@@ -308,30 +333,6 @@ def _unchecked(model, heads, y, cache, max_tokens, n_draft, mode, thresholds, st
             yield tok, True
         if produced >= max_tokens:
             return
-
-
-def verify_step(model, heads, tokens, cache, m: int, drafts: bool = True):
-    """One greedy verify step over ``tokens`` = [t, m drafts].
-
-    Returns [b (m+1), a, k drafts, CLP's n], CLP's scores (k+1,) and the
-    hidden state that drafts. ``drafts=False``: no heads' drafts in it.
-    """
-    h = hidden_states(model, tokens, cache)  # (m+1, d)
-    b = greedy(project(model, h))  # the backbone's choice after each position
-    if m:
-        # Draft j is right if it equals the backbone's choice at the
-        # position before it; accept the longest right prefix.
-        ok = (tokens[1:] == b[:-1]).astype(mx.int32)
-        a = mx.sum(mx.cumprod(ok))
-    else:
-        a = mx.array(0)
-    # Only the last accepted position drafts the next step; CLP says there
-    # how many of its drafts are worth feeding.
-    d = _draft_tokens(model, heads, h[a][None], b[a][None])[0] if drafts else b[:0]
-    logits = heads.clp_logits(h[a])
-    n = mx.argmax(logits)
-    out = mx.concatenate([b, a[None].astype(b.dtype), d, n[None].astype(b.dtype)])
-    return out, logits, h[a][None]
 
 
 def _softmax(scores: list) -> list:
@@ -364,52 +365,77 @@ class _Context:
         scores = [s + r for s, r in zip(logits.tolist(), self.rows[match])]
         return (copied if match else None), scores
 
-    def heads_drafts(self, model, h: mx.array, b: int) -> list:
-        return _draft_tokens(model, self.heads, h, mx.array([b], dtype=mx.uint32))[0].tolist()
+    def candidates(self, k: int, limit: int) -> list:
+        """The context's continuations of ``k`` tokens, the copy first (:mod:`clp_mlx.tree`)."""
+        return self.drafter.candidates(k, limit)
+
+    def heads_branches(self, model, h: mx.array, b: int, width: int) -> list:
+        """The heads' ``width`` best branches (lists of k drafts) at ``h``."""
+        got = self.heads.draft_branches(model, h, mx.array([b], dtype=mx.uint32), width)
+        return got.tolist()
 
 
-def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=None):
+def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=None, tree=0):
     """Lossless: check last step's drafts in the pass that feeds them.
 
     ``feed``: "all" feeds every draft; "clp" as many as CLP predicts will
     pass; "cost" the count with the most expected tokens per pass time
-    (:mod:`clp_mlx.feed`). The output is the same whichever is chosen.
+    (:mod:`clp_mlx.feed`). ``tree``: a step that feeds 2 or more drafts
+    feeds a token tree of up to this many tokens instead, the alternatives
+    beside the drafts (:mod:`clp_mlx.tree`). The output is the same whichever
+    is chosen.
     """
     costs = pass_costs(model, n_draft + 1) if feed == "cost" else None
+    tree = tree if tree and supported(cache) else 0
+    width = max(1, (tree - 1) // n_draft) if tree else 1  # the heads' branches
 
-    def step(tokens, m):
-        return verify_step(model, heads, tokens, cache, m, drafts=ctx is None)
+    def step(fed: Tree):
+        # With context drafts the heads run after the pass, only if there is no copy.
+        return verify_tree_step(model, heads, fed, cache, 0 if ctx else width, check_argmax)
 
     produced = 0
-    fed = [None]  # what the pending pass feeds: token t, then its drafts
-    out, logits, h = step(y, 0)
+    fed = Tree.chain([y.item()])  # what the pending pass feeds: token t, then drafts
+    start = cache[0].offset
+    out, logits, h = step(fed)
     while True:
         host = out.tolist()
-        m = len(fed) - 1
-        b, a, drafts = host[: m + 1], host[m + 1], host[m + 2 : -1]
-        committed = fed[1 : 1 + a] + [b[a]]
+        path = fed.path(host[len(fed)])  # the accepted node
+        b = host[path[-1]]
+        committed = [fed.tokens[i] for i in path[1:]] + [b]
         committed = committed[: max_tokens - produced]
-        trim_prompt_cache(cache, m - a)  # rejected drafts leave the cache
+        keep_path(cache, start, path, len(fed))  # rejected drafts leave the cache
         produced += len(committed)
         stats.record(len(committed), len(committed) - 1)
         if produced < max_tokens:
             # Never draft past max_tokens: the extra positions would be wasted.
-            m_next = min(n_draft, max_tokens - produced - 1)
+            depth = min(n_draft, max_tokens - produced - 1)
+            branches = host[len(fed) + 1 : -1]
+            branches = [branches[i : i + n_draft] for i in range(0, len(branches), n_draft)]
+            drafts = branches[0] if branches else None
+            m_next = depth
             if ctx is not None:
-                drafts, scores = ctx.propose(committed, logits)
+                copied, scores = ctx.propose(committed, logits)
+                drafts = copied or drafts
             elif feed != "all":
                 scores = logits.tolist()
             if feed == "clp":
                 m_next = min(m_next, max(range(len(scores)), key=scores.__getitem__))
             elif feed == "cost":
                 m_next = best_feed(_softmax(scores), costs, m_next)
-            if drafts is None:  # no copy: the heads draft, if anything is fed
-                drafts = ctx.heads_drafts(model, h, b[a]) if m_next else []
-            fed = [b[a]] + drafts[:m_next]
-            out, logits, h = step(mx.array(fed, dtype=mx.uint32), m_next)
+            as_tree = tree and m_next >= 2
+            if drafts is None and m_next:  # no copy: the heads draft
+                branches = ctx.heads_branches(model, h, b, width if as_tree else 1)
+                drafts = branches[0]
+            if as_tree:
+                copies = ctx.candidates(depth, tree) if ctx is not None else []
+                fed = Tree.build(b, [c[:depth] for c in copies or branches], tree)
+            else:
+                fed = Tree.chain([b] + (drafts or [])[:m_next])
+            start = cache[0].offset
+            out, logits, h = step(fed)
             mx.async_eval(out, logits, h)
         for i, tok in enumerate(committed):
-            yield tok, i < a
+            yield tok, i < len(path) - 1
         if produced >= max_tokens:
             return
 

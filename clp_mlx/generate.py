@@ -63,6 +63,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="clp: accept the longest n whose P(run >= n) reaches this (default: CLP's most "
         "likely run, the paper's rule)",
     )
+    p.add_argument(
+        "--tree",
+        type=int,
+        default=None,
+        help="verify: a step that feeds 2+ drafts feeds a token tree of up to this many "
+        "tokens, alternatives included (default: 16 where wide passes are padded, on "
+        "OpenBLAS; else 0, a chain)",
+    )
     add_sampling_args(p)
     p.add_argument("--system-prompt", default=None, help="system message; implies --chat-template")
     p.add_argument(
@@ -156,6 +164,7 @@ def main(argv=None) -> int:
         feed=args.verify_feed,
         lookup={"auto": None, "on": True, "off": False}[args.context_drafts],
         clp_threshold=args.clp_threshold,
+        tree=args.tree,
     ):
         print(last.text, end="", flush=True)
     print()

@@ -150,12 +150,19 @@ class MTPBundle(nn.Module):
         (V', d) slice of the output projection instead of all of it, a
         fraction of the cost, and verification keeps the output exact anyway.
         """
+        scores, ids = self._draft_scores(model, hidden)
+        best = mx.argmax(scores, axis=-1)
+        return best if ids is None else ids[best]
+
+    def _draft_scores(self, model: nn.Module, hidden: mx.array):
+        """Scores over the draft vocabulary (..., V') and its token ids
+        (None: the whole vocabulary, the scores are the logits)."""
         if "draft_vocab" not in self or backbone.is_quantized_output(model):
-            return mx.argmax(backbone.project(model, hidden), axis=-1)
+            return backbone.project(model, hidden), None
         if self._draft_weight is None:
             self._draft_weight = backbone.output_weight(model)[self.draft_vocab]
             mx.eval(self._draft_weight)
-        return self.draft_vocab[mx.argmax(hidden @ self._draft_weight.T, axis=-1)]
+        return hidden @ self._draft_weight.T, self.draft_vocab
 
     def set_draft_vocab(self, ids) -> None:
         """Restrict drafting to ``ids`` (sorted token ids), as training chose them."""
@@ -213,6 +220,32 @@ class MTPBundle(nn.Module):
                 prev = choose(logits[-1])
             tokens.append(prev)
         return mx.stack(tokens, axis=-1), mx.stack(logits, axis=-2) if logits else None
+
+    def draft_branches(self, model: nn.Module, h: mx.array, b: mx.array, width: int) -> mx.array:
+        """Greedy drafts of ``width`` branches (width, k) from one hidden
+        state ``h`` (1, d) and backbone token ``b`` (1,): head 1's ``width``
+        best tokens, best first, each continued by the later heads ("chain"
+        heads see their branch's previous draft; the others draft the same
+        continuation for every branch). Branch 0 is :meth:`draft`'s."""
+        if self.config.design == "chain":
+            first = self.heads[0](h, backbone.embed(model, b))
+        else:
+            emb = backbone.embed(model, b) if self.uses_token_embedding else None
+            out = self.draft_hidden(h, emb)[0]  # (k, d)
+            first = out[:1]
+        scores, ids = self._draft_scores(model, first)
+        top = mx.argmax(scores, axis=-1) if width == 1 else mx.argsort(-scores[0])[:width]
+        prev = top if ids is None else ids[top]
+        if self.k == 1:
+            return prev[:, None]
+        if self.config.design != "chain":
+            rest = self.draft_ids(model, out[1:])  # (k-1,)
+            return mx.concatenate([prev[:, None], mx.broadcast_to(rest, (width, self.k - 1))], 1)
+        hs, tokens = mx.broadcast_to(h, (width, h.shape[-1])), [prev]
+        for head in self.heads[1:]:
+            prev = self.draft_ids(model, head(hs, backbone.embed(model, prev)))
+            tokens.append(prev)
+        return mx.stack(tokens, axis=-1)
 
     def use_context(self, max_ngram: int) -> None:
         """Draft from the context when it has a match (:mod:`clp_mlx.lookup`);

@@ -20,14 +20,16 @@ class ContextDrafter:
     ``propose(k)`` looks for the longest suffix of 1..max_ngram tokens that
     occurred before; the tokens after that occurrence are the drafts, the
     pattern repeating when it runs into the end of the context (a loop of
-    period p drafts its next p tokens over and over).
+    period p drafts its next p tokens over and over). ``candidates`` lists
+    the other continuations too, for a token tree.
     """
 
     def __init__(self, tokens=(), max_ngram: int = 3):
         if max_ngram < 1:
             raise ValueError("max_ngram must be at least 1")
         self.tokens: list[int] = []
-        self.last: list[dict] = [{} for _ in range(max_ngram)]  # n-1 -> {ngram: end}
+        # n-1 -> {ngram: [ends]}, every occurrence, the latest last
+        self.ends: list[dict] = [{} for _ in range(max_ngram)]
         self.extend(tokens)
 
     def extend(self, tokens) -> None:
@@ -39,22 +41,45 @@ class ContextDrafter:
         # The n-grams ending at the current last token become searchable only
         # once a later token exists: a suffix never matches itself.
         s, end = self.tokens, len(self.tokens) - 1
-        for n, table in enumerate(self.last, start=1):
+        for n, table in enumerate(self.ends, start=1):
             if end - n + 1 < 0:
                 break
-            table[tuple(s[end - n + 1 :])] = end
+            table.setdefault(tuple(s[end - n + 1 :]), []).append(end)
+
+    def _copy(self, j: int, k: int) -> list[int]:
+        """The k tokens after position j, a loop repeating its period."""
+        period = len(self.tokens) - 1 - j
+        return [self.tokens[j + 1 + i % period] for i in range(k)]
+
+    def _matches(self):
+        """(n, earlier ends, latest first) for each suffix length n that occurred before."""
+        s, end = self.tokens, len(self.tokens) - 1
+        for n in range(len(self.ends), 0, -1):
+            if end - n + 1 >= 0:
+                ends = self.ends[n - 1].get(tuple(s[end - n + 1 :]))
+                if ends:
+                    yield n, reversed(ends)
 
     def propose(self, k: int) -> tuple[list[int], int]:
         """``k`` drafts and the length of the match they come from (0: none)."""
-        s, end = self.tokens, len(self.tokens) - 1
-        for n in range(len(self.last), 0, -1):
-            if end - n + 1 < 0:
-                continue
-            j = self.last[n - 1].get(tuple(s[end - n + 1 :]))
-            if j is not None:
-                period = end - j
-                return [s[j + 1 + i % period] for i in range(k)], n
+        for n, ends in self._matches():
+            return self._copy(next(ends), k), n
         return [], 0
+
+    def candidates(self, k: int, limit: int) -> list[list[int]]:
+        """Up to ``limit`` distinct continuations of ``k`` tokens, best first:
+        longer matches before shorter ones, later occurrences before earlier.
+        The first is :meth:`propose`'s."""
+        seen, out = set(), []
+        for _, ends in self._matches():
+            for j in ends:
+                got = self._copy(j, k)
+                if tuple(got) not in seen:
+                    seen.add(tuple(got))
+                    out.append(got)
+                    if len(out) == limit:
+                        return out
+        return out
 
 
 def row_drafts(rows: np.ndarray, index: np.ndarray, k: int, max_ngram: int):

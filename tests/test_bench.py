@@ -249,3 +249,14 @@ def test_models_without_heads(tmp_path, capsys):
         assert list(entry["results"]) == ["ar", "mlx-lm"] and entry["heads"] is None
         assert "skipped verify" in entry["notes"][0]
     assert "note: skipped verify" in capsys.readouterr().out
+
+
+def test_bench_step_reports_the_pass_widths_and_the_host_work(tmp_path, capsys):
+    from clp_mlx import bench_step
+
+    folder = write_model_folder(tmp_path / "tiny", tiny_model(0))
+    assert bench_step.main(["--model", str(folder), "--repeats", "1", "--context", "8"]) == 0
+    out = capsys.readouterr().out
+    for row in ("backbone x1", "backbone x4", "verify step (4 fed)", "heads' drafts after the pass"):
+        assert f"| {row} |" in out, row
+    assert "| detokenize one token |" in out and "| context drafter (extend + propose) |" in out
