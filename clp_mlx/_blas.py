@@ -29,6 +29,14 @@ def preload_openblas() -> bool:
     global loaded
     if loaded or sys.platform != "linux" or os.environ.get("CLP_MLX_NO_OPENBLAS"):
         return loaded
+    if "mlx.core" in sys.modules:  # its BLAS symbols are bound: too late
+        warnings.warn(
+            "mlx.core was imported before clp_mlx, so OpenBLAS could not be loaded. "
+            f"Import clp_mlx first. {_FIX}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
     choice = os.environ.get("CLP_MLX_BLAS")
     for name in [choice] if choice else ["libopenblas.so.0", "libopenblas.so"]:
         try:

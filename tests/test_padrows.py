@@ -1,5 +1,9 @@
 """Row padding: the same numbers from a padded pass, and only where it is wanted."""
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -81,3 +85,16 @@ def test_quantized_layers_are_left_alone():
     padrows.pad_rows(model, force=True)
     kinds = {type(m) for _, m in model.named_modules()}
     assert nn.QuantizedLinear in kinds and padrows.PaddedLinear not in kinds
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS is preloaded on Linux only")
+def test_importing_mlx_first_warns_that_openblas_is_lost():
+    env = {k: v for k, v in os.environ.items() if k != "CLP_MLX_NO_OPENBLAS"}
+
+    def warned(code):
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return "Import clp_mlx first" in done.stderr
+
+    assert warned("import mlx.core; import clp_mlx")
+    assert not warned("import clp_mlx; import mlx.core")
