@@ -387,7 +387,8 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=
     """
     costs = pass_costs(model, n_draft + 1) if feed == "cost" else None
     tree = tree if tree and supported(cache) else 0
-    width = max(1, (tree - 1) // n_draft) if tree else 1  # the heads' branches
+    # The heads' branches in a tree: 1 feeds their drafts as a chain.
+    width = max(1, min(heads.config.tree_branches, (tree - 1) // n_draft)) if tree else 1
 
     def step(fed: Tree):
         # With context drafts the heads run after the pass, only if there is no copy.
@@ -412,7 +413,7 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=
             branches = host[len(fed) + 1 : -1]
             branches = [branches[i : i + n_draft] for i in range(0, len(branches), n_draft)]
             drafts = branches[0] if branches else None
-            m_next = depth
+            m_next, copied = depth, None
             if ctx is not None:
                 copied, scores = ctx.propose(committed, logits)
                 drafts = copied or drafts
@@ -422,7 +423,7 @@ def _verify(model, heads, y, cache, max_tokens, n_draft, stats, feed="all", ctx=
                 m_next = min(m_next, max(range(len(scores)), key=scores.__getitem__))
             elif feed == "cost":
                 m_next = best_feed(_softmax(scores), costs, m_next)
-            as_tree = tree and m_next >= 2
+            as_tree = tree and m_next >= 2 and (copied or width > 1)
             if drafts is None and m_next:  # no copy: the heads draft
                 branches = ctx.heads_branches(model, h, b, width if as_tree else 1)
                 drafts = branches[0]

@@ -112,6 +112,7 @@ class HeadsConfig:
     draft_vocab: int = 0  # >0: heads draft only from this many frequent tokens (FR-Spec)
     lookup: int = 0  # >0: context drafts (lookup.py) up to this n-gram; CLP knows the match
     clp_norm: bool = False  # CLP sees h / rms(h) (fitted so since the context drafts)
+    tree_branches: int = 5  # verify trees: head 1's best tokens a tree holds (1: a chain)
     backbone: str = ""  # a name for people; matching uses the fields above
     format: str = FORMAT
     version: int = 1
@@ -389,7 +390,10 @@ def read_config(folder: str | Path) -> HeadsConfig:
     if meta.get("format") != FORMAT:
         raise ClpError(f"{meta_path} is not a clp-mlx heads file")
     known = HeadsConfig.__dataclass_fields__
-    return HeadsConfig(**{k: v for k, v in meta.items() if k in known})
+    config = HeadsConfig(**{k: v for k, v in meta.items() if k in known})
+    if not isinstance(config.tree_branches, int) or config.tree_branches < 1:
+        raise ClpError(f"{meta_path}: tree_branches must be a whole number >= 1")
+    return config
 
 
 def load_heads(folder: str | Path, model: nn.Module) -> MTPBundle:

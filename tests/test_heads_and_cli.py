@@ -65,6 +65,16 @@ def test_not_a_heads_folder(tmp_path, model):
         load_heads(tmp_path, model)
 
 
+def test_a_bad_tree_branches_is_refused(tmp_path, model):
+    save_heads(init_heads(model, 2), tmp_path / "h")
+    meta_path = tmp_path / "h" / "heads.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["tree_branches"] == 5
+    meta_path.write_text(json.dumps({**meta, "tree_branches": 0}))
+    with pytest.raises(ClpError, match="tree_branches"):
+        load_heads(tmp_path / "h", model)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -108,6 +108,28 @@ def test_tree_finds_the_right_copy_behind_a_wrong_one():
     assert stats[16].tokens_per_step > stats[0].tokens_per_step
 
 
+def test_one_tree_branch_feeds_the_heads_drafts_as_a_chain(model):
+    prompt = prompt_of(9, 5)
+    ar = run(prompt, model, mode="ar", max_tokens=30)
+    heads = random_heads(model, 3, seed=2, scale=0.5, design="chain")
+    fed = []
+    original = tree.verify_tree_step
+
+    def spy(model, heads, t, cache, width, *a):
+        fed.append((t.is_chain(), width))
+        return original(model, heads, t, cache, width, *a)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("clp_mlx.decode.verify_tree_step", spy)
+        for branches in (5, 1):
+            heads.config.tree_branches = branches
+            fed.clear()
+            assert run(prompt, model, heads, max_tokens=30, tree=16, feed="all") == ar
+            trees = [w for chain, w in fed if not chain]
+            assert (len(trees) > 0) == (branches > 1), branches
+            assert {w for _, w in fed} == {branches}
+
+
 def test_trees_by_default_only_where_wide_passes_are_padded():
     model, prompt = looping_setup()
     heads = context_heads(model)
