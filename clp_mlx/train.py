@@ -36,6 +36,7 @@ from .trainer import (
     elapsed,
     head_drafts,
     run_lengths,
+    walked_tokens_per_pass,
 )
 
 SMALL_SAMPLE = 4096  # positions for CLP/gate training and evaluation
@@ -63,6 +64,11 @@ def sampled_drafts(model, bundle, data: Positions, n: int, seed: list, lookup: i
     context's copy where it has a match; else the heads') and the match
     lengths (n,). The heads run once for both."""
     idx = np.random.default_rng(seed).choice(len(data), min(len(data), n), replace=False)
+    return drafts_at(model, bundle, data, idx, lookup)
+
+
+def drafts_at(model, bundle, data: Positions, idx: np.ndarray, lookup: int = 0):
+    """As :func:`sampled_drafts`, at the positions ``idx`` of ``data``."""
     at = data.index[idx]
     heads = head_drafts(model, bundle, data, idx)
     if not lookup:
@@ -153,6 +159,7 @@ def evaluate(model, bundle, data: Positions, seed: int = 0, n: int = SMALL_SAMPL
             "context_match_share": round(float((match > 0).mean()), 4),
             "expected_tokens_per_pass_verify": round(1 + float(run_lengths(agree).mean()), 3),
         }
+    out["chain_verify_tokens_per_pass"] = walked_verify(model, bundle, data)
     label = run_lengths(agree)
     h = mx.array(data.hidden[at], dtype=mx.float32)
     pred = np.array(bundle.clp_length(h, mx.array(match) if lookup else None))
@@ -160,6 +167,22 @@ def evaluate(model, bundle, data: Positions, seed: int = 0, n: int = SMALL_SAMPL
     np.add.at(confusion, (label, pred), 1)
     out["clp_confusion_rows_label_cols_pred"] = confusion.tolist()
     out["clp_accuracy"] = round(float(np.trace(confusion) / at.size), 4)
+    return out
+
+
+def walked_verify(model, bundle, data: Positions) -> dict:
+    """Tokens per pass of chain verify, walking every row as decoding does:
+    with the heads' drafts alone and (bundles with context drafts) with the
+    drafts decoding makes. 1 + the mean run over positions counts a long
+    run once per position inside it; decoding passes over it once."""
+    every = np.arange(len(data))
+    at, heads, drafts, _ = drafts_at(model, bundle, data, every, bundle.config.lookup)
+    out = {}
+    for name, d in (("heads", heads), ("with_context", drafts)):
+        runs = run_lengths(scores(data, at, d)[0]).reshape(-1, data.per_row)
+        out[name] = round(walked_tokens_per_pass(runs), 3)
+        if not bundle.config.lookup:
+            break
     return out
 
 

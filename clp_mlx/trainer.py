@@ -54,6 +54,7 @@ class Positions:
         self.greedy = greedy_ids.reshape(-1)
         self.tokens = tokens.reshape(-1)
         t = np.arange(start, length - 1 - k)  # positions whose k futures lie in the row
+        self.per_row = t.size  # index is row-major: (rows, per_row) when reshaped
         rows = np.arange(n) if rows is None else np.asarray(rows)
         self.index = (rows[:, None] * length + t[None]).reshape(-1)
 
@@ -183,6 +184,21 @@ def head_drafts(model, bundle: MTPBundle, data: Positions, idx: np.ndarray, batc
 def run_lengths(correct: np.ndarray) -> np.ndarray:
     """CLP label: length of the longest all-correct prefix of heads 1..n."""
     return np.cumprod(correct, axis=1).sum(axis=1)
+
+
+def walked_tokens_per_pass(runs: np.ndarray) -> float:
+    """Tokens per pass of chain verify along each row of ``runs`` (rows,
+    positions: the accepted run at each position). A pass at t commits the
+    backbone's token and the run, so the next pass drafts from t + run + 1."""
+    tokens = passes = 0
+    for row in runs:
+        t = 0
+        while t < row.size:
+            step = 1 + int(row[t])
+            tokens += min(step, row.size - t)
+            passes += 1
+            t += step
+    return tokens / max(passes, 1)
 
 
 def elapsed(t0: float) -> float:

@@ -9,7 +9,7 @@ from conftest import tiny_model, write_model_folder
 
 from clp_mlx.errors import ClpError
 from clp_mlx.train import main
-from clp_mlx.trainer import run_lengths
+from clp_mlx.trainer import run_lengths, walked_tokens_per_pass
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,15 @@ def test_clp_labels_are_the_longest_correct_prefix():
     assert run_lengths(correct).tolist() == [2, 0, 4, 1]
 
 
+def test_walked_verify_passes_over_a_long_run_once():
+    # A run of 3 at t=0 commits tokens 0..3; the next pass drafts from t=4.
+    runs = np.array([[3, 3, 3, 3, 0, 0, 0, 0], [2, 0, 0, 1, 0, 9, 9, 9]])
+    # row 0: passes at 0, 4, 5, 6, 7 -> 8 tokens / 5; row 1: at 0, 3, 5 (cut at
+    # the row's end: 3 of its 10 tokens) -> 8 / 3.
+    assert walked_tokens_per_pass(runs) == 16 / 8
+    assert 1 + runs[:1].mean() == 2.5  # the per-position mean overstates row 0
+
+
 def test_training_lowers_the_loss_and_writes_heads(setup):
     root, folder, text = setup
     assert main(args(root, folder, text, "heads", steps=60)) == 0
@@ -97,6 +106,8 @@ def test_eval_reports_heads_alone_and_with_context_drafts(setup, capsys):
     # This tiny model's greedy text repeats its last token: copies are right.
     assert ctx["context_match_share"] > 0.9 and ctx["draft_top1_vs_greedy"][0] > 0.9
     assert ctx["expected_tokens_per_pass_verify"] >= 1
+    walked = report["chain_verify_tokens_per_pass"]
+    assert walked["with_context"] > 2.5 and 1 <= walked["heads"] <= 3  # k = 2
 
 
 def test_resume_after_interrupt_equals_uninterrupted_run(setup):
