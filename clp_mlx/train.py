@@ -177,12 +177,14 @@ def walked_verify(model, bundle, data: Positions) -> dict:
     run once per position inside it; decoding passes over it once."""
     every = np.arange(len(data))
     at, heads, drafts, _ = drafts_at(model, bundle, data, every, bundle.config.lookup)
-    out = {}
-    for name, d in (("heads", heads), ("with_context", drafts)):
+
+    def walk(d):
         runs = run_lengths(scores(data, at, d)[0]).reshape(-1, data.per_row)
-        out[name] = round(walked_tokens_per_pass(runs), 3)
-        if not bundle.config.lookup:
-            break
+        return round(walked_tokens_per_pass(runs), 3)
+
+    out = {"heads": walk(heads)}
+    if bundle.config.lookup:
+        out["with_context"] = walk(drafts)
     return out
 
 
