@@ -40,6 +40,7 @@ from .trainer import (
 )
 
 SMALL_SAMPLE = 4096  # positions for CLP/gate training and evaluation
+WALK_POSITIONS = 2 * SMALL_SAMPLE  # --eval walks whole rows, up to this many positions
 HELD_SHARE = 0.1  # rows (whole prompts) kept out of head training
 HELD_SAMPLE = 1024  # held-out positions checked at every checkpoint
 
@@ -174,9 +175,12 @@ def walked_verify(model, bundle, data: Positions) -> dict:
     """Tokens per pass of chain verify, walking every row as decoding does:
     with the heads' drafts alone and (bundles with context drafts) with the
     drafts decoding makes. 1 + the mean run over positions counts a long
-    run once per position inside it; decoding passes over it once."""
-    every = np.arange(len(data))
-    at, heads, drafts, _ = drafts_at(model, bundle, data, every, bundle.config.lookup)
+    run once per position inside it; decoding passes over it once. The
+    first rows up to WALK_POSITIONS: drafting every position of a large
+    --max-tokens would cost minutes per thousand rows."""
+    rows = max(1, WALK_POSITIONS // data.per_row)
+    first = np.arange(min(len(data), rows * data.per_row))  # index is row-major
+    at, heads, drafts, _ = drafts_at(model, bundle, data, first, bundle.config.lookup)
 
     def walk(d):
         runs = run_lengths(scores(data, at, d)[0]).reshape(-1, data.per_row)

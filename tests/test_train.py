@@ -72,8 +72,8 @@ def test_walked_verify_passes_over_a_long_run_once():
     runs = np.array([[3, 3, 3, 3, 0, 0, 0, 0], [2, 0, 0, 1, 0, 9, 9, 9]])
     # row 0: passes at 0, 4, 5, 6, 7 -> 8 tokens / 5; row 1: at 0, 3, 5 (cut at
     # the row's end: 3 of its 10 tokens) -> 8 / 3.
+    # (1 + the per-position mean would say 2.5 for row 0.)
     assert walked_tokens_per_pass(runs) == 16 / 8
-    assert 1 + runs[:1].mean() == 2.5  # the per-position mean overstates row 0
 
 
 def test_training_lowers_the_loss_and_writes_heads(setup):
@@ -108,6 +108,25 @@ def test_eval_reports_heads_alone_and_with_context_drafts(setup, capsys):
     assert ctx["expected_tokens_per_pass_verify"] >= 1
     walked = report["chain_verify_tokens_per_pass"]
     assert walked["with_context"] > 2.5 and 1 <= walked["heads"] <= 3  # k = 2
+
+
+def test_eval_walks_whole_rows_up_to_its_bound(setup, capsys, monkeypatch):
+    import clp_mlx.train as train
+
+    root, folder, text = setup
+    if not (root / "heads").exists():
+        main(args(root, folder, text, "heads", steps=60))
+    walked, real = [], train.drafts_at
+    monkeypatch.setattr(train, "WALK_POSITIONS", 1)  # one row's worth at most
+    monkeypatch.setattr(
+        train, "drafts_at", lambda m, b, d, idx, lk=0: walked.append(idx) or real(m, b, d, idx, lk)
+    )
+    argv = ["--eval", "--heads", str(root / "heads"), "--model", str(folder), "--data", str(text)]
+    assert main([*argv, "--max-tokens", "1200", "--work-dir", str(root / "eval-work")]) == 0
+    capsys.readouterr()
+    # First the sampled figures' positions, then the walk's: row 0 only.
+    sample, walk = walked
+    assert (walk == np.arange(walk.size)).all() and 1 < walk.size < sample.size
 
 
 def test_resume_after_interrupt_equals_uninterrupted_run(setup):
