@@ -6,14 +6,20 @@ resolves its BLAS symbols, reaches 100-180 GFLOP/s on the same machine: the
 difference between a usable and an unusable CPU backend. On macOS MLX uses
 Accelerate and Metal, so nothing is done there.
 
-``CLP_MLX_BLAS=<library>`` loads another CBLAS instead (e.g. BLIS's
-``libblis.so.4``, whose matrix-vector kernels are faster here; see the README).
+Decoding multiplies a few rows at a time, where OpenBLAS is slow; the kernel
+of ``few_rows.c`` (built on first use, see :mod:`clp_mlx._few_rows`) takes
+those and hands the rest to OpenBLAS.
+
+``CLP_MLX_BLAS=<library>`` loads another CBLAS instead, without the kernel
+(e.g. BLIS's ``libblis.so.4``; see the README).
 """
 
 import ctypes
 import os
 import sys
 import warnings
+
+from . import _few_rows
 
 _FIX = (
     "Decoding on the CPU will be about 30x slower than it should. Install "
@@ -22,11 +28,12 @@ _FIX = (
 )
 
 loaded = False
+few_rows = False  # the few-row kernel answers MLX's sgemm calls
 
 
 def preload_openblas() -> bool:
     """Load ``libopenblas.so.0`` globally; warn once with the fix if missing."""
-    global loaded
+    global loaded, few_rows
     if loaded or sys.platform != "linux" or os.environ.get("CLP_MLX_NO_OPENBLAS"):
         return loaded
     if "mlx.core" in sys.modules:  # its BLAS symbols are bound: too late
@@ -40,9 +47,14 @@ def preload_openblas() -> bool:
     choice = os.environ.get("CLP_MLX_BLAS")
     for name in [choice] if choice else ["libopenblas.so.0", "libopenblas.so"]:
         try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            blas = ctypes.CDLL(name)  # found? (local: the kernel must come first globally)
         except OSError:
             continue
+        kernel = None if choice else _few_rows.load()
+        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+        if kernel is not None:
+            _few_rows.attach(kernel, blas)
+            few_rows = True
         loaded = True
         return True
     warnings.warn(f"OpenBLAS not found. {_FIX}", RuntimeWarning, stacklevel=2)

@@ -15,7 +15,7 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from . import _blas
+from . import _blas, _few_rows
 
 PLOTS = ("speedup-vs-quality.png", "accepted-lengths.png")
 
@@ -53,7 +53,7 @@ def blas_in_use() -> str:
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
     if _blas.loaded:
-        return "openblas (preloaded)"
+        return f"openblas (preloaded); few-row kernel {_few_rows.note}"
     if os.environ.get("CLP_MLX_NO_OPENBLAS"):
         return "bundled reference BLAS (OpenBLAS preload disabled by CLP_MLX_NO_OPENBLAS)"
     return "bundled reference BLAS (OpenBLAS not found)"

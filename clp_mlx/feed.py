@@ -38,6 +38,7 @@ def _setup_key(model) -> str:
     """What pass times depend on: the backbone's weights and shape, dtype, device, BLAS."""
     sig = signature(model)
     blas = os.environ.get("CLP_MLX_BLAS") or ("openblas" if _blas.loaded else "default")
+    blas += "+few_rows" if _blas.few_rows else ""
     blas += "+pad16" if is_padded(model) else ""
     dtype = model.model.norm.weight.dtype
     return f"{sig['fingerprint']}|{sig['num_layers']}x{sig['hidden_size']}|{dtype}|{mx.default_device()}|{blas}"

@@ -68,8 +68,12 @@ def test_verify_on_a_padded_model_is_still_greedy_decoding():
 def test_padding_is_off_when_asked_and_off_the_fp32_path(monkeypatch):
     model = tiny_model(seed=5)
     monkeypatch.setattr(padrows._blas, "loaded", True)
+    monkeypatch.setattr(padrows._blas, "few_rows", False)
     monkeypatch.setattr(padrows.mx, "default_device", lambda: mx.cpu)
     assert padrows.wanted(model)
+    monkeypatch.setattr(padrows._blas, "few_rows", True)  # 4 rows cost less than 16 there
+    assert not padrows.wanted(model)
+    monkeypatch.setattr(padrows._blas, "few_rows", False)
     monkeypatch.setenv("CLP_MLX_PAD_ROWS", "0")
     assert not padrows.pad_rows(model) and not padrows.is_padded(model)
     monkeypatch.delenv("CLP_MLX_PAD_ROWS")

@@ -1,0 +1,98 @@
+"""Build and load ``few_rows.c``, the few-row matmul kernel (Linux CPU only).
+
+Compiled once per machine with the system C compiler into the cache
+(``few_rows/`` under :func:`clp_mlx.sources.cache_root`), keyed by the source,
+the compiler and the CPU, and renamed into place only when complete. Nothing
+here imports MLX: it must run before ``mlx.core`` binds its BLAS symbols.
+``CLP_MLX_FEW_ROWS=0`` turns it off (plain OpenBLAS, as before).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("few_rows.c")
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+
+note = "off"  # why it is (not) in use, for the benchmark's environment record
+_lib: ctypes.CDLL | None = None
+
+
+def _cpu() -> str:
+    """The CPU's model and flags: the library is built for the CPU it runs on."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(dict.fromkeys(ln for ln in lines if ln.startswith(("model name", "flags"))))
+
+
+def _flags(cpu: str) -> list[str]:
+    """AVX2 + FMA where the CPU has them (x86-64); elsewhere the target's own SIMD."""
+    words = set(cpu.split())
+    return FLAGS + (["-mavx2", "-mfma"] if {"avx2", "fma"} <= words else [])
+
+
+def build(cache: Path) -> Path:
+    """The compiled library, building it if needed; OSError/CalledProcessError if it cannot."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (cc) found")
+    cpu = _cpu()
+    flags = _flags(cpu)
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), cc.encode(), " ".join(flags).encode(), cpu.encode()):
+        key.update(part)
+    lib = cache / "few_rows" / f"few_rows-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
+    try:
+        subprocess.run(
+            [cc, *flags, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True, timeout=300
+        )
+        os.replace(tmp, lib)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """Build and load the kernel globally (call :func:`attach` before any matmul);
+    None (see ``note``) if not."""
+    global note, _lib
+    if os.environ.get("CLP_MLX_FEW_ROWS", "1") == "0":
+        note = "off (CLP_MLX_FEW_ROWS=0)"
+        return None
+    from .sources import cache_root  # stdlib only: safe before mlx
+
+    try:
+        lib = ctypes.CDLL(str(build(cache_root())), mode=ctypes.RTLD_GLOBAL)
+    except (OSError, subprocess.SubprocessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        note = f"off (could not build: {e} {err.decode(errors='replace')[-300:]})".strip()
+        return None
+    note = "on"
+    _lib = lib
+    return lib
+
+
+def attach(lib: ctypes.CDLL, openblas: ctypes.CDLL) -> None:
+    """Hand the kernel OpenBLAS's sgemm for what it does not do; one thread pool: ours."""
+    lib.few_rows_init(ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p))
+    openblas.openblas_set_num_threads(1)
+
+
+def served() -> int:
+    """How many sgemm calls the kernel answered itself (0 if it is not loaded)."""
+    if _lib is None:
+        return 0
+    _lib.few_rows_served.restype = ctypes.c_long
+    return _lib.few_rows_served()

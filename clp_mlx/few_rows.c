@@ -1,0 +1,171 @@
+/* cblas_sgemm for decoding on a CPU: matmuls with few rows stream the weight once.
+ *
+ * A decode step multiplies 1-16 rows of activations by each weight matrix.
+ * OpenBLAS 0.3.21 runs those through its blocked GEMM (packing the weight on
+ * every call) at 5-8 GB/s of weight read on a machine that streams memory at
+ * 20-27 GB/s. Here every output is a dot product of an activation row with a
+ * weight row: one row against four weight rows at a time, or up to four rows
+ * against two, the weight rows split between threads: one pass over the
+ * weight, near memory speed.
+ *
+ * Every output is summed in the same order whatever the number of rows, the
+ * tile it falls in or the thread that computes it, so a row's result does not
+ * depend on how many rows share the call (a verify pass sees the same logits
+ * as a one-token pass for the same row). Everything else (many rows, column-
+ * major, transposed activations) goes to OpenBLAS, one-threaded, each thread of
+ * ours taking a slice of the columns: one thread pool, not two fighting over
+ * the cores.
+ *
+ * Loaded before OpenBLAS (RTLD_GLOBAL) so that MLX's cblas_sgemm resolves
+ * here; clp_mlx/_blas.py builds and loads it. Plain C with GCC vector
+ * extensions and OpenMP.
+ */
+#include <stddef.h>
+#include <string.h>
+#include <omp.h>
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
+                         const float *, int, float, float *, int);
+typedef float v8 __attribute__((vector_size(32)));
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+enum { MAX_ROWS = 16, PARALLEL_FROM = 1 << 18, FALLBACK_SPLIT_FROM = 1 << 22 };
+
+static sgemm_fn fallback;
+static long served; /* calls answered here, not by the fallback: for tests */
+
+void few_rows_init(void *openblas_sgemm) { fallback = (sgemm_fn)openblas_sgemm; }
+long few_rows_served(void) { return served; }
+
+static inline v8 load(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float total(v8 v) { /* fixed order: lanes 0..7 */
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) s += v[i];
+    return s;
+}
+
+static inline void store(float *c, float v, float alpha, float beta) {
+    *c = alpha * v + (beta == 0.0f ? 0.0f : beta * *c); /* beta 0: C may be garbage */
+}
+
+/* s[i][j] = dot(a_i, w_j) for four activation rows (the last one repeated when
+ * fewer are left) and two weight rows (likewise) */
+static void tile(const float *a[4], const float *w[2], int K, float s[4][2]) {
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *w0 = w[0], *w1 = w[1];
+    v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0}, c30 = {0}, c31 = {0};
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        v8 y0 = load(w0 + k), y1 = load(w1 + k);
+        v8 x0 = load(a0 + k), x1 = load(a1 + k), x2 = load(a2 + k), x3 = load(a3 + k);
+        c00 += x0 * y0, c01 += x0 * y1, c10 += x1 * y0, c11 += x1 * y1;
+        c20 += x2 * y0, c21 += x2 * y1, c30 += x3 * y0, c31 += x3 * y1;
+    }
+    v8 c[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 2; j++) {
+            float t = total(c[i][j]);
+            for (int r = k; r < K; r++) t += a[i][r] * w[j][r];
+            s[i][j] = t;
+        }
+}
+
+/* s[j] = dot(a, w_j) for one activation row and four weight rows */
+static void tile1(const float *a, const float *w[4], int K, float s[4]) {
+    const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
+    v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        v8 x = load(a + k);
+        c0 += x * load(w0 + k), c1 += x * load(w1 + k), c2 += x * load(w2 + k), c3 += x * load(w3 + k);
+    }
+    v8 c[4] = {c0, c1, c2, c3};
+    for (int j = 0; j < 4; j++) {
+        float t = total(c[j]);
+        for (int r = k; r < K; r++) t += a[r] * w[j][r];
+        s[j] = t;
+    }
+}
+
+/* C = alpha A B^T + beta C, B stored N x K (a weight; attention keys) */
+static void a_bt(int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                 int ldb, float beta, float *C, int ldc) {
+    int nr_max = M == 1 ? 4 : 2, blocks = (N + nr_max - 1) / nr_max;
+#pragma omp parallel for schedule(static) if ((long)N * K >= PARALLEL_FROM)
+    for (int b = 0; b < blocks; b++) {
+        int n = nr_max * b, nr = N - n < nr_max ? N - n : nr_max;
+        const float *w[4];
+        for (int j = 0; j < 4; j++) w[j] = B + (size_t)(n + (j < nr ? j : nr - 1)) * ldb;
+        if (M == 1) {
+            float s[4];
+            tile1(A, w, K, s);
+            for (int j = 0; j < nr; j++) store(C + n + j, s[j], alpha, beta);
+            continue;
+        }
+        for (int m = 0; m < M; m += 4) {
+            int mr = M - m < 4 ? M - m : 4;
+            const float *a[4];
+            for (int i = 0; i < 4; i++) a[i] = A + (size_t)(m + (i < mr ? i : mr - 1)) * lda;
+            float s[4][2];
+            tile(a, w, K, s);
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++)
+                    store(C + (size_t)(m + i) * ldc + n + j, s[i][j], alpha, beta);
+        }
+    }
+}
+
+/* C = alpha A B + beta C, B stored K x N (attention values): each row of C
+ * accumulates rows of B, in order of k */
+static void a_b(int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                int ldb, float beta, float *C, int ldc) {
+#pragma omp parallel for schedule(static) if ((long)N * K >= PARALLEL_FROM)
+    for (int m = 0; m < M; m++) {
+        float row[N];
+        memset(row, 0, sizeof row);
+        for (int k = 0; k < K; k++) {
+            float a = A[(size_t)m * lda + k];
+            const float *b = B + (size_t)k * ldb;
+            for (int n = 0; n < N; n++) row[n] += a * b[n];
+        }
+        for (int n = 0; n < N; n++) store(C + (size_t)m * ldc + n, row[n], alpha, beta);
+    }
+}
+
+/* Many rows: OpenBLAS (one-threaded), our threads splitting the columns. */
+static void split_columns(int ta, int tb, int M, int N, int K, float alpha, const float *A,
+                          int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+#pragma omp parallel
+    {
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+        int n0 = (int)((long)N * t / T / 16 * 16);
+        int n1 = t == T - 1 ? N : (int)((long)N * (t + 1) / T / 16 * 16);
+        const float *b = tb == TRANS ? B + (size_t)n0 * ldb : B + n0;
+        if (n1 > n0)
+            fallback(ROW_MAJOR, ta, tb, M, n1 - n0, K, alpha, A, lda, b, ldb, beta, C + n0, ldc);
+    }
+}
+
+void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A,
+                 int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+    if (order == ROW_MAJOR && ta == NO_TRANS && M > 0 && M <= MAX_ROWS && N > 0) {
+        if (tb == TRANS) {
+            __atomic_add_fetch(&served, 1, __ATOMIC_RELAXED);
+            a_bt(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+            return;
+        }
+        if (tb == NO_TRANS && N <= 4096) {
+            __atomic_add_fetch(&served, 1, __ATOMIC_RELAXED);
+            a_b(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+            return;
+        }
+    }
+    if (order == ROW_MAJOR && (long)M * N * K >= FALLBACK_SPLIT_FROM && N >= 32)
+        split_columns(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    else
+        fallback(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}

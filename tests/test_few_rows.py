@@ -1,0 +1,93 @@
+"""The few-row sgemm kernel (clp_mlx/few_rows.c) that MLX's CPU matmuls reach.
+
+In this process it is loaded by ``import clp_mlx`` (conftest) when a C compiler
+is present, so the whole suite decodes through it; these tests check its
+arithmetic against float64 references, that a row's result does not depend on
+how many rows share the call, and that a machine without a compiler falls
+back to plain OpenBLAS.
+"""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from clp_mlx import _blas, _few_rows
+
+needs_kernel = pytest.mark.skipif(
+    not _blas.few_rows, reason=f"few-row kernel not in use here: {_few_rows.note}"
+)
+
+
+def _ref(a, b):
+    return np.asarray(a, dtype=np.float64) @ np.asarray(b, dtype=np.float64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 7), (7, 9), (301, 64), (600, 520)])
+def test_products_match_float64(m, n, k):
+    mx.random.seed(m * 1000 + n + k)
+    x, w = mx.random.normal((m, k)), mx.random.normal((n, k))
+    v, bias = mx.random.normal((k, n)), mx.random.normal((n,))
+    before = _few_rows.served()
+    got = {
+        "x w^T": (x @ w.T, _ref(x, np.asarray(w).T)),
+        "x v": (x @ v, _ref(x, v)),
+        "bias + 0.5 x w^T": (
+            mx.addmm(bias, x, w.T, alpha=0.5),
+            np.asarray(bias, dtype=np.float64) + 0.5 * _ref(x, np.asarray(w).T),
+        ),
+    }
+    mx.eval([y for y, _ in got.values()])
+    assert _few_rows.served() > before  # the kernel answered, not OpenBLAS
+    for name, (y, want) in got.items():
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4 * np.sqrt(k), err_msg=name)
+
+
+@needs_kernel
+@pytest.mark.parametrize("transposed", [True, False])
+def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(transposed):
+    mx.random.seed(7)
+    x = mx.random.normal((7, 520))
+    w = mx.random.normal((600, 520)) if transposed else mx.random.normal((520, 600))
+
+    def mul(rows):
+        return rows @ w.T if transposed else rows @ w
+
+    whole = np.asarray(mul(x))
+    for lo, hi in [(0, 1), (3, 4), (1, 3), (2, 7), (6, 7)]:
+        assert np.array_equal(np.asarray(mul(x[lo:hi])), whole[lo:hi]), (lo, hi)
+
+
+@needs_kernel
+def test_many_rows_and_transposed_operands_go_to_openblas_and_stay_right():
+    mx.random.seed(3)
+    a, w = mx.random.normal((300, 200)), mx.random.normal((500, 200))
+    at = mx.random.normal((200, 40))  # used transposed: (40 x 200)
+    for y, want in [(a @ w.T, _ref(a, np.asarray(w).T)), (at.T @ w.T, _ref(np.asarray(at).T, np.asarray(w).T))]:
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=2e-3)
+
+
+def _child(env_extra: dict, tmp_path) -> str:
+    code = (
+        "import clp_mlx, numpy as np, mlx.core as mx\n"
+        "from clp_mlx import _blas, _few_rows\n"
+        "x, w = mx.ones((2, 64)), mx.ones((3, 64))\n"
+        "assert np.allclose(np.asarray(x @ w.T), 64.0)\n"
+        "print(_blas.few_rows, _few_rows.note)\n"
+    )
+    env = {**os.environ, "CLP_MLX_HOME": str(tmp_path), **env_extra}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not _blas.loaded, reason="OpenBLAS preload is Linux-only")
+def test_without_a_compiler_or_when_off_plain_openblas_does_the_work(tmp_path):
+    assert _child({"CC": str(tmp_path / "no-such-cc")}, tmp_path).startswith("False off (could not build")
+    assert _child({"CLP_MLX_FEW_ROWS": "0"}, tmp_path) == "False off (CLP_MLX_FEW_ROWS=0)"
+    assert not (tmp_path / "few_rows").exists() or not any((tmp_path / "few_rows").iterdir())
