@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -39,24 +40,25 @@ def _flags(cpu: str) -> list[str]:
     return FLAGS + (["-mavx2", "-mfma"] if {"avx2", "fma"} <= words else [])
 
 
-def build(cache: Path) -> Path:
-    """The compiled library, building it if needed; OSError/CalledProcessError if it cannot."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+def build(cache: Path, *, again: bool = False) -> Path:
+    """The compiled library, building it if needed (``again``: even if cached);
+    OSError or SubprocessError if it cannot."""
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")]
+    if cc[0] is None:
         raise OSError("no C compiler (cc) found")
     cpu = _cpu()
     flags = _flags(cpu)
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), cc.encode(), " ".join(flags).encode(), cpu.encode()):
+    for part in (SOURCE.read_bytes(), " ".join(cc + flags).encode(), cpu.encode()):
         key.update(part)
     lib = cache / "few_rows" / f"few_rows-{key.hexdigest()[:16]}.so"
-    if lib.exists():
+    if lib.exists() and not again:
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
     try:
         subprocess.run(
-            [cc, *flags, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True, timeout=300
+            [*cc, *flags, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True, timeout=300
         )
         os.replace(tmp, lib)
     finally:
@@ -74,8 +76,12 @@ def load() -> ctypes.CDLL | None:
     from .sources import cache_root  # stdlib only: safe before mlx
 
     try:
-        lib = ctypes.CDLL(str(build(cache_root())), mode=ctypes.RTLD_GLOBAL)
-    except (OSError, subprocess.SubprocessError) as e:
+        cache = cache_root()
+        try:
+            lib = ctypes.CDLL(str(build(cache)), mode=ctypes.RTLD_GLOBAL)
+        except OSError:  # a cached file that does not load (cut short?): build it afresh
+            lib = ctypes.CDLL(str(build(cache, again=True)), mode=ctypes.RTLD_GLOBAL)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         err = getattr(e, "stderr", b"") or b""
         note = f"off (could not build: {e} {err.decode(errors='replace')[-300:]})".strip()
         return None

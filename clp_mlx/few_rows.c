@@ -8,19 +8,21 @@
  * against two, the weight rows split between threads: one pass over the
  * weight, near memory speed.
  *
- * Every output is summed in the same order whatever the number of rows, the
- * tile it falls in or the thread that computes it, so a row's result does not
- * depend on how many rows share the call (a verify pass sees the same logits
- * as a one-token pass for the same row). Everything else (many rows, column-
- * major, transposed activations) goes to OpenBLAS, one-threaded, each thread of
- * ours taking a slice of the columns: one thread pool, not two fighting over
- * the cores.
+ * Every output it computes is summed in the same order whatever the number of
+ * rows, the tile it falls in or the thread that computes it, so a row's result
+ * does not depend on how many rows (up to 16) share the call: a verify pass
+ * sees the same logits as a one-token pass for the same row. Everything else
+ * (more rows, column-major, transposed activations, alpha = 0) goes to
+ * OpenBLAS, one-threaded, each thread of ours taking a slice of the columns:
+ * one thread pool, not two fighting over the cores.
  *
  * Loaded before OpenBLAS (RTLD_GLOBAL) so that MLX's cblas_sgemm resolves
  * here; clp_mlx/_blas.py builds and loads it. Plain C with GCC vector
  * extensions and OpenMP.
  */
 #include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -28,13 +30,18 @@ typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int
                          const float *, int, float, float *, int);
 typedef float v8 __attribute__((vector_size(32)));
 
-enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
 enum { MAX_ROWS = 16, PARALLEL_FROM = 1 << 18, FALLBACK_SPLIT_FROM = 1 << 22 };
 
 static sgemm_fn fallback;
+static int threads = 1;
 static long served; /* calls answered here, not by the fallback: for tests */
 
-void few_rows_init(void *openblas_sgemm) { fallback = (sgemm_fn)openblas_sgemm; }
+/* Before OpenBLAS is made one-threaded (which may set OpenMP's count too). */
+void few_rows_init(void *openblas_sgemm) {
+    fallback = (sgemm_fn)openblas_sgemm;
+    threads = omp_get_max_threads();
+}
 long few_rows_served(void) { return served; }
 
 static inline v8 load(const float *p) {
@@ -95,7 +102,7 @@ static void tile1(const float *a, const float *w[4], int K, float s[4]) {
 static void a_bt(int M, int N, int K, float alpha, const float *A, int lda, const float *B,
                  int ldb, float beta, float *C, int ldc) {
     int nr_max = M == 1 ? 4 : 2, blocks = (N + nr_max - 1) / nr_max;
-#pragma omp parallel for schedule(static) if ((long)N * K >= PARALLEL_FROM)
+#pragma omp parallel for num_threads(threads) schedule(static) if ((long)N * K >= PARALLEL_FROM)
     for (int b = 0; b < blocks; b++) {
         int n = nr_max * b, nr = N - n < nr_max ? N - n : nr_max;
         const float *w[4];
@@ -123,7 +130,7 @@ static void a_bt(int M, int N, int K, float alpha, const float *A, int lda, cons
  * accumulates rows of B, in order of k */
 static void a_b(int M, int N, int K, float alpha, const float *A, int lda, const float *B,
                 int ldb, float beta, float *C, int ldc) {
-#pragma omp parallel for schedule(static) if ((long)N * K >= PARALLEL_FROM)
+#pragma omp parallel for num_threads(threads) schedule(static) if ((long)N * K >= PARALLEL_FROM)
     for (int m = 0; m < M; m++) {
         float row[N];
         memset(row, 0, sizeof row);
@@ -139,12 +146,12 @@ static void a_b(int M, int N, int K, float alpha, const float *A, int lda, const
 /* Many rows: OpenBLAS (one-threaded), our threads splitting the columns. */
 static void split_columns(int ta, int tb, int M, int N, int K, float alpha, const float *A,
                           int lda, const float *B, int ldb, float beta, float *C, int ldc) {
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), T = omp_get_num_threads();
         int n0 = (int)((long)N * t / T / 16 * 16);
         int n1 = t == T - 1 ? N : (int)((long)N * (t + 1) / T / 16 * 16);
-        const float *b = tb == TRANS ? B + (size_t)n0 * ldb : B + n0;
+        const float *b = tb == NO_TRANS ? B + n0 : B + (size_t)n0 * ldb;
         if (n1 > n0)
             fallback(ROW_MAJOR, ta, tb, M, n1 - n0, K, alpha, A, lda, b, ldb, beta, C + n0, ldc);
     }
@@ -152,8 +159,12 @@ static void split_columns(int ta, int tb, int M, int N, int K, float alpha, cons
 
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A,
                  int lda, const float *B, int ldb, float beta, float *C, int ldc) {
-    if (order == ROW_MAJOR && ta == NO_TRANS && M > 0 && M <= MAX_ROWS && N > 0) {
-        if (tb == TRANS) {
+    if (!fallback) {
+        fputs("few_rows: cblas_sgemm called before few_rows_init\n", stderr);
+        abort();
+    }
+    if (order == ROW_MAJOR && ta == NO_TRANS && M > 0 && M <= MAX_ROWS && N > 0 && alpha != 0.0f) {
+        if (tb == TRANS || tb == CONJ_TRANS) { /* real numbers: the same */
             __atomic_add_fetch(&served, 1, __ATOMIC_RELAXED);
             a_bt(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
             return;

@@ -7,6 +7,7 @@ how many rows share the call, and that a machine without a compiler falls
 back to plain OpenBLAS.
 """
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -91,3 +92,36 @@ def test_without_a_compiler_or_when_off_plain_openblas_does_the_work(tmp_path):
     assert _child({"CC": str(tmp_path / "no-such-cc")}, tmp_path).startswith("False off (could not build")
     assert _child({"CLP_MLX_FEW_ROWS": "0"}, tmp_path) == "False off (CLP_MLX_FEW_ROWS=0)"
     assert not (tmp_path / "few_rows").exists() or not any((tmp_path / "few_rows").iterdir())
+
+
+def _sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """The kernel's cblas_sgemm called directly, row-major, on float32 numpy buffers."""
+    f = _few_rows._lib.cblas_sgemm
+    ptr = ctypes.POINTER(ctypes.c_float)
+    f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ptr, ctypes.c_int, ptr, ctypes.c_int]
+    f.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
+    as_ptr = lambda x: x.ctypes.data_as(ptr)  # noqa: E731
+    f(101, ta, tb, m, n, k, alpha, as_ptr(a), lda, as_ptr(b), ldb, beta, as_ptr(c), ldc)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize("tb", [111, 112, 113])
+def test_the_cblas_contract_strides_alpha_beta(m, tb):
+    rng = np.random.default_rng(m + tb)
+    n, k, pad = 300, 260, 5  # padded rows: lda, ldb, ldc wider than the matrices
+    a = rng.standard_normal((m, k + pad), dtype=np.float32)
+    b_rows, b_cols = (k, n) if tb == 111 else (n, k)
+    b = rng.standard_normal((b_rows, b_cols + pad), dtype=np.float32)
+    op_b = b[:, :b_cols] if tb == 111 else b[:, :b_cols].T
+    for alpha, beta in [(1.0, 0.0), (0.5, 2.0), (0.0, 3.0)]:
+        c = np.full((m, n + pad), np.nan if beta == 0 else 1.5, dtype=np.float32)
+        if alpha == 0:
+            a[0, 0] = np.inf  # alpha 0: A and B are not to be read
+        want = alpha * _ref(a[:, :k], op_b) if alpha else 0.0
+        want = want + (beta * c[:, :n].astype(np.float64) if beta else 0.0)
+        margin = c[:, n:].copy()
+        _sgemm(111, tb, m, n, k, alpha, a, k + pad, b, b_cols + pad, beta, c, n + pad)
+        np.testing.assert_allclose(c[:, :n], want, rtol=1e-4, atol=1e-3, err_msg=f"{alpha} {beta}")
+        assert np.array_equal(c[:, n:], margin, equal_nan=True)  # ldc's margin untouched
+        a[0, 0] = 0.0
