@@ -4,8 +4,8 @@
  * OpenBLAS 0.3.21 runs those through its blocked GEMM (packing the weight on
  * every call) at 5-8 GB/s of weight read on a machine that streams memory at
  * 20-27 GB/s. Here every output is a dot product of an activation row with a
- * weight row: one row against four weight rows at a time, or up to four rows
- * against two, the weight rows split between threads: one pass over the
+ * weight row, in tiles of one or two rows against four weight rows or four
+ * rows against two, the weight rows split between threads: one pass over the
  * weight, near memory speed.
  *
  * Every output it computes is summed in the same order whatever the number of
@@ -60,9 +60,46 @@ static inline void store(float *c, float v, float alpha, float beta) {
     *c = alpha * v + (beta == 0.0f ? 0.0f : beta * *c); /* beta 0: C may be garbage */
 }
 
-/* s[i][j] = dot(a_i, w_j) for four activation rows (the last one repeated when
- * fewer are left) and two weight rows (likewise) */
-static void tile(const float *a[4], const float *w[2], int K, float s[4][2]) {
+/* s[i * cols + j] = dot(a_i, w_j) from the accumulated lanes of c (same layout)
+ * and the leftover k..K-1: the one summation order of every output. */
+static void finish(const v8 *c, const float **a, int rows, const float **w, int cols, int k,
+                   int K, float *s) {
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) {
+            float t = total(c[i * cols + j]);
+            for (int r = k; r < K; r++) t += a[i][r] * w[j][r];
+            s[i * cols + j] = t;
+        }
+}
+
+/* Tiles of rows x weight rows: 1 x 4, 2 x 4 and 4 x 2 (s as in finish). */
+static void tile_1x4(const float **a, const float **w, int K, float *s) {
+    const float *a0 = a[0], *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
+    v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        v8 x = load(a0 + k);
+        c0 += x * load(w0 + k), c1 += x * load(w1 + k), c2 += x * load(w2 + k), c3 += x * load(w3 + k);
+    }
+    v8 c[4] = {c0, c1, c2, c3};
+    finish(c, a, 1, w, 4, k, K, s);
+}
+
+static void tile_2x4(const float **a, const float **w, int K, float *s) {
+    const float *a0 = a[0], *a1 = a[1], *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
+    v8 c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0}, c10 = {0}, c11 = {0}, c12 = {0}, c13 = {0};
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        v8 x0 = load(a0 + k), x1 = load(a1 + k);
+        v8 y0 = load(w0 + k), y1 = load(w1 + k), y2 = load(w2 + k), y3 = load(w3 + k);
+        c00 += x0 * y0, c01 += x0 * y1, c02 += x0 * y2, c03 += x0 * y3;
+        c10 += x1 * y0, c11 += x1 * y1, c12 += x1 * y2, c13 += x1 * y3;
+    }
+    v8 c[8] = {c00, c01, c02, c03, c10, c11, c12, c13};
+    finish(c, a, 2, w, 4, k, K, s);
+}
+
+static void tile_4x2(const float **a, const float **w, int K, float *s) {
     const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *w0 = w[0], *w1 = w[1];
     v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0}, c30 = {0}, c31 = {0};
     int k = 0;
@@ -72,54 +109,36 @@ static void tile(const float *a[4], const float *w[2], int K, float s[4][2]) {
         c00 += x0 * y0, c01 += x0 * y1, c10 += x1 * y0, c11 += x1 * y1;
         c20 += x2 * y0, c21 += x2 * y1, c30 += x3 * y0, c31 += x3 * y1;
     }
-    v8 c[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 2; j++) {
-            float t = total(c[i][j]);
-            for (int r = k; r < K; r++) t += a[i][r] * w[j][r];
-            s[i][j] = t;
-        }
+    v8 c[8] = {c00, c01, c10, c11, c20, c21, c30, c31};
+    finish(c, a, 4, w, 2, k, K, s);
 }
 
-/* s[j] = dot(a, w_j) for one activation row and four weight rows */
-static void tile1(const float *a, const float *w[4], int K, float s[4]) {
-    const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
-    v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-    int k = 0;
-    for (; k + 8 <= K; k += 8) {
-        v8 x = load(a + k);
-        c0 += x * load(w0 + k), c1 += x * load(w1 + k), c2 += x * load(w2 + k), c3 += x * load(w3 + k);
-    }
-    v8 c[4] = {c0, c1, c2, c3};
-    for (int j = 0; j < 4; j++) {
-        float t = total(c[j]);
-        for (int r = k; r < K; r++) t += a[r] * w[j][r];
-        s[j] = t;
-    }
-}
-
-/* C = alpha A B^T + beta C, B stored N x K (a weight; attention keys) */
+/* C = alpha A B^T + beta C, B stored N x K (a weight; attention keys): blocks of
+ * four weight rows (the last one repeated at the end), rows of A by fours, then
+ * a pair, then one. */
 static void a_bt(int M, int N, int K, float alpha, const float *A, int lda, const float *B,
                  int ldb, float beta, float *C, int ldc) {
-    int nr_max = M == 1 ? 4 : 2, blocks = (N + nr_max - 1) / nr_max;
+    int blocks = (N + 3) / 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if ((long)N * K >= PARALLEL_FROM)
     for (int b = 0; b < blocks; b++) {
-        int n = nr_max * b, nr = N - n < nr_max ? N - n : nr_max;
+        int n = 4 * b, nr = N - n < 4 ? N - n : 4;
         const float *w[4];
         for (int j = 0; j < 4; j++) w[j] = B + (size_t)(n + (j < nr ? j : nr - 1)) * ldb;
-        if (M == 1) {
-            float s[4];
-            tile1(A, w, K, s);
-            for (int j = 0; j < nr; j++) store(C + n + j, s[j], alpha, beta);
-            continue;
-        }
-        for (int m = 0; m < M; m += 4) {
-            int mr = M - m < 4 ? M - m : 4;
+        for (int m = 0, rows; m < M; m += rows) {
+            rows = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
             const float *a[4];
-            for (int i = 0; i < 4; i++) a[i] = A + (size_t)(m + (i < mr ? i : mr - 1)) * lda;
-            float s[4][2];
-            tile(a, w, K, s);
-            for (int i = 0; i < mr; i++)
+            for (int i = 0; i < rows; i++) a[i] = A + (size_t)(m + i) * lda;
+            float s[4][4];
+            if (rows == 4) {
+                float half[8];
+                for (int h = 0; h < 2; h++) {
+                    tile_4x2(a, w + 2 * h, K, half);
+                    for (int i = 0; i < 4; i++) s[i][2 * h] = half[2 * i], s[i][2 * h + 1] = half[2 * i + 1];
+                }
+            } else {
+                (rows == 2 ? tile_2x4 : tile_1x4)(a, w, K, &s[0][0]);
+            }
+            for (int i = 0; i < rows; i++)
                 for (int j = 0; j < nr; j++)
                     store(C + (size_t)(m + i) * ldc + n + j, s[i][j], alpha, beta);
         }
