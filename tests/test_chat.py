@@ -212,8 +212,11 @@ STATS = re.compile(r"\[prefill (\d+) tokens \((\d+) new \+ (\d+) carried over\)"
 def spawn(folder, *flags):
     env = {"TERM": "dumb", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
     argv = ["-m", "clp_mlx.chat", "--model", str(folder), "--heads", "init", *flags]
+    # Ctrl-C as at a terminal even when the tests run as a background job, whose
+    # children start with SIGINT ignored (and Python then never raises KeyboardInterrupt).
     child = pexpect.spawn(
-        sys.executable, argv, cwd=str(REPO), env=env, timeout=60, encoding="utf-8"
+        sys.executable, argv, cwd=str(REPO), env=env, timeout=60, encoding="utf-8",
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     child.expect(r"q or Ctrl-D to quit\]")
     child.expect(">> ")
