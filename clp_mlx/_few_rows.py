@@ -85,6 +85,7 @@ def load() -> ctypes.CDLL | None:
         err = getattr(e, "stderr", b"") or b""
         note = f"off (could not build: {e} {err.decode(errors='replace')[-300:]})".strip()
         return None
+    lib.few_rows_served.restype = ctypes.c_long
     note = "on"
     _lib = lib
     return lib
@@ -98,7 +99,4 @@ def attach(lib: ctypes.CDLL, openblas: ctypes.CDLL) -> None:
 
 def served() -> int:
     """How many sgemm calls the kernel answered itself (0 if it is not loaded)."""
-    if _lib is None:
-        return 0
-    _lib.few_rows_served.restype = ctypes.c_long
-    return _lib.few_rows_served()
+    return 0 if _lib is None else _lib.few_rows_served()
