@@ -66,7 +66,12 @@ class Positions:
         ahead = at[:, None] + np.arange(1, self.k + 1)[None]
         return {
             "h": mx.array(self.hidden[at], dtype=mx.float32),
-            "b": mx.array(self.greedy[at]),  # backbone's token t+1
+            # Token t+1 as the row has it: the backbone's own choice in a greedy
+            # continuation, the text's token in teacher-forced text. The labels
+            # b_{t+i} are conditioned on the row's tokens, so the heads must see
+            # those, never the backbone's guess at a token the text overrode.
+            "b": mx.array(self.tokens[at + 1]),
+            "before": mx.array(self.tokens[ahead]),  # row tokens t+1..t+k
             "future_h": mx.array(self.hidden[ahead], dtype=mx.float32),
             "future_b": mx.array(self.greedy[ahead]),  # backbone's choice of t+1+i
             "next_true": mx.array(self.tokens[at + 1]),  # text token t+1 (head 0)
@@ -160,16 +165,17 @@ class HeadTrainer:
 def teacher_embeddings(model, bundle: MTPBundle, batch: dict):
     """What the heads see of the tokens before their targets, in training.
 
-    "embed": the backbone's token t+1; "chain": for head i the backbone's
-    token t+i (for i > 1 the token the previous head should have drafted:
-    only then does its draft count, as verify stops at the first miss).
+    "embed": the row's token t+1; "chain": for head i the row's token t+i.
+    In a greedy continuation these are the backbone's choices, so for i > 1
+    the token the previous head should have drafted (only then does its
+    draft count, as verify stops at the first miss); in teacher-forced text
+    they are the text's, which the labels b_{t+i} are conditioned on.
     """
     if not bundle.uses_token_embedding:
         return None
     if bundle.config.design != "chain":
         return backbone.embed(model, batch["b"])
-    before = mx.concatenate([batch["b"][:, None], batch["future_b"][:, :-1]], axis=1)
-    return backbone.embed(model, before)
+    return backbone.embed(model, batch["before"])
 
 
 def head_drafts(model, bundle: MTPBundle, data: Positions, idx: np.ndarray, batch=128):

@@ -190,3 +190,29 @@ def test_chained_heads_on_the_text_itself(setup):
     assert report["train_tokens"] == 4096  # 64 rows of 64 text tokens, not continuations
     losses = [h["loss"] for h in report["history"]]
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_heads_see_the_rows_tokens_that_their_labels_follow():
+    from clp_mlx.trainer import Positions
+
+    rng = np.random.default_rng(5)
+    n, length, k = 3, 12, 2
+    tokens = rng.integers(0, 50, (n, length)).astype(np.int32)
+    greedy_ids = rng.integers(0, 50, (n, length)).astype(np.int32)
+    hidden = np.zeros((n, length, 4), np.float16)
+    # teacher-forced text: the backbone's guess at t+1 differs from the text,
+    # and the label b_{t+1+i} is conditioned on the text's tokens t+1..t+i
+    data = Positions(tokens, hidden, greedy_ids, k)
+    b = data.batch(np.arange(len(data)))
+    at = data.index
+    assert (np.array(b["b"]) == tokens.reshape(-1)[at + 1]).all()
+    assert (np.array(b["b"]) != greedy_ids.reshape(-1)[at]).any()
+    assert (np.array(b["before"]) == tokens.reshape(-1)[at[:, None] + [1, 2]]).all()
+    # a greedy continuation: the row's token t+1 is the backbone's choice at t,
+    # so the same batch is what the previous heads should have drafted
+    tokens[:, 1:] = greedy_ids[:, :-1]
+    data = Positions(tokens, hidden, greedy_ids, k)
+    b = data.batch(np.arange(len(data)))
+    assert (np.array(b["b"]) == greedy_ids.reshape(-1)[data.index]).all()
+    before = np.concatenate([np.array(b["b"])[:, None], np.array(b["future_b"])[:, :-1]], 1)
+    assert (np.array(b["before"]) == before).all()
