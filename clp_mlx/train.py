@@ -212,27 +212,56 @@ def split_rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def features_for(model, tokenizer, args, folder: Path, k: int, split: bool = False):
     """Backbone features for ``args.data``, extracted once into ``folder``:
-    all their positions, or (``split``) those of the training and held-out rows."""
+    all their positions, or (``split``) those of the training and held-out rows.
+
+    With ``--source text`` the held-out rows are greedy continuations of
+    prompts cut from the text after the training rows: CLP and the gate
+    learn there how often drafts pass, and that must be measured on what
+    decoding meets (the backbone's own text is easier to draft than a
+    human's), not on more teacher-forced text.
+    """
+    span = args.prompt_tokens * PROMPT_STRIDE
     if args.source == "text":
         tokens = tokenize_files(
             tokenizer, args.data, seq_len=args.seq_len, max_tokens=args.max_tokens
         )
         extract(model, tokens, folder)
+        if split:
+            rows = max(2, round(HELD_SHARE * tokens.size / (args.prompt_tokens + args.new_tokens)))
+            flat = tokenize_files(tokenizer, args.data, seq_len=1, max_tokens=tokens.size + rows * span)
+            rest = flat.reshape(-1)[tokens.size :]
+            if rest.size < span:
+                raise ClpError(
+                    "no text is left after the training rows for held-out prompts; "
+                    "give more text or lower --max-tokens"
+                )
+            prompts = rest[: rest.size // span * span].reshape(-1, span)[:, : args.prompt_tokens]
+            held_folder = folder.with_name(folder.name + "-held")
+            continue_greedily(model, prompts, held_folder, new_tokens=args.new_tokens)
+            return _positions(folder, k), _positions(held_folder, k)
     else:
-        row = args.prompt_tokens + args.new_tokens
-        n = max(1, args.max_tokens // row)
-        span = args.prompt_tokens * PROMPT_STRIDE
+        n = max(1, args.max_tokens // (args.prompt_tokens + args.new_tokens))
         text = tokenize_files(tokenizer, args.data, seq_len=span, max_tokens=n * span)
         continue_greedily(model, text[:, : args.prompt_tokens], folder, new_tokens=args.new_tokens)
+        if split:
+            tokens, hidden, greedy_ids, start = _features(folder, k)
+            rows = split_rows(tokens.shape[0], args.seed)
+            return tuple(Positions(tokens, hidden, greedy_ids, k, start, r) for r in rows)
+    return _positions(folder, k)
+
+
+def _features(folder: Path, k: int) -> tuple:
     tokens, hidden, greedy_ids, start = load_features(folder)
     if tokens.shape[1] - max(start, 0) <= k + 1:
         raise ClpError(
             f"rows of {tokens.shape[1]} tokens leave no position with {k} drafts to learn; "
             "raise --new-tokens (or --seq-len) above k + 1"
         )
-    if split:
-        train, held = split_rows(tokens.shape[0], args.seed)
-        return tuple(Positions(tokens, hidden, greedy_ids, k, start, r) for r in (train, held))
+    return tokens, hidden, greedy_ids, start
+
+
+def _positions(folder: Path, k: int) -> Positions:
+    tokens, hidden, greedy_ids, start = _features(folder, k)
     return Positions(tokens, hidden, greedy_ids, k, start)
 
 
@@ -255,10 +284,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         choices=("greedy", "text"),
         default="greedy",
         help="greedy: train on the backbone's own greedy continuations of prompts cut from "
-        "--data (what decoding sees; default); text: on --data itself, teacher-forced",
+        "--data (what decoding sees; default); text: on --data itself, teacher-forced "
+        "(CLP and the gate still learn on greedy continuations of later prompts)",
     )
-    p.add_argument("--prompt-tokens", type=int, default=32, help="--source greedy: prompt length")
-    p.add_argument("--new-tokens", type=int, default=80, help="--source greedy: tokens generated")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=32,
+        help="prompt length of greedy continuations (--source greedy; held-out rows of --source text)",
+    )
+    p.add_argument("--new-tokens", type=int, default=80, help="tokens those continuations generate")
     p.add_argument("--seq-len", type=int, default=256, help="--source text: row length")
     p.add_argument(
         "--max-tokens", type=int, default=120_000, help="feature budget, in tokens (all rows)"

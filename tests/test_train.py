@@ -158,6 +158,9 @@ def test_bad_training_input(setup, tmp_path):
             args(root, folder, text, "z", extra=["--new-tokens", "2", "--work-dir", str(tmp_path)])
         )
     assert not (root / "z").exists()
+    with pytest.raises(ClpError, match="no text is left after the training rows"):
+        main(args(root, folder, text, "w", extra=["--source", "text", "--max-tokens", "1000000"]))
+    assert not (root / "w").exists()
 
 
 def test_greedy_continuations_are_what_plain_decoding_writes(tmp_path):
@@ -188,6 +191,10 @@ def test_chained_heads_on_the_text_itself(setup):
     assert main(args(root, folder, text, "text-heads", steps=30, extra=extra)) == 0
     report = json.loads((root / "text-heads" / "training.json").read_text())
     assert report["train_tokens"] == 4096  # 64 rows of 64 text tokens, not continuations
+    # CLP and the gate learn on greedy continuations of prompts after those rows
+    held = json.loads((root / "text-heads.work" / "features-held" / "features.json").read_text())
+    assert held["start"] == 31 and held["shape"][1] == 32 + 80
+    assert report["held_out_positions"] > 0
     losses = [h["loss"] for h in report["history"]]
     assert losses[-1] < 0.8 * losses[0], losses
 
