@@ -74,8 +74,6 @@ class Positions:
             "before": mx.array(self.tokens[ahead]),  # row tokens t+1..t+k
             "future_h": mx.array(self.hidden[ahead], dtype=mx.float32),
             "future_b": mx.array(self.greedy[ahead]),  # backbone's choice of t+1+i
-            "next_true": mx.array(self.tokens[at + 1]),  # text token t+1 (head 0)
-            "future_true": mx.array(self.tokens[ahead + 1]),  # text token t+1+i
         }
 
 
@@ -117,7 +115,7 @@ class HeadTrainer:
         feat = nn.losses.smooth_l1_loss(out, batch["future_h"], reduction="mean")
         loss = ce + self.cfg.feature_weight * feat
         if "head0" in bundle:
-            ce0, _, _ = self._ce(bundle.head0(batch["h"]), batch["next_true"])
+            ce0, _, _ = self._ce(bundle.head0(batch["h"]), batch["b"])  # the row's t+1
             loss = loss + ce0
         acc = hit.sum(axis=0) / mx.maximum(valid.sum(axis=0), 1)
         return loss, acc
