@@ -1,6 +1,6 @@
 """clp-mlx: Backbone-as-Architect multi-token decoding for Qwen2.5 on MLX."""
 
-from ._blas import preload_openblas
+from .native.blas import preload_openblas
 
 preload_openblas()  # must precede the first ``import mlx.core`` in the process
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import backbone
-from .decode import DecodeStats, decode
+from .model import backbone
+from .decode.loop import DecodeStats, decode
 from .errors import ClpError
-from .heads import MTPBundle, init_heads, load_heads
-from .sampling import Sampling
+from .model.heads import MTPBundle, init_heads, load_heads
+from .decode.sampling import Sampling
 
 DEFAULT_K = 3  # drafts per step for --heads init; trained heads record their own
 
@@ -53,7 +53,7 @@ def load(
     ``"init"`` for untrained heads as initialised for training (seeded), or
     None for the heads shipped with a named default model, if any.
     """
-    from .sources import resolve_model
+    from .sources.resolve import resolve_model
 
     dtype = dtype or backbone.default_dtype()
     path = resolve_model(model, dtype=dtype)
@@ -72,7 +72,7 @@ def load(
 
 def shipped_heads(model: str | None) -> Path | None:
     """The trained heads packaged for a named default model, if there are any."""
-    from .sources import NAMED_MODELS, default_model_name
+    from .sources.resolve import NAMED_MODELS, default_model_name
 
     name = (model or default_model_name()).lower()
     folder = Path(__file__).parent / "shipped" / name

@@ -15,8 +15,8 @@ from pathlib import Path
 # Let the script run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clp_mlx.cli import add_model_output_args, guarded
-from clp_mlx.gguf_convert import DTYPES, Q_BITS, Q_GROUP_SIZES, convert_gguf
+from clp_mlx.cli.args import add_model_output_args, guarded
+from clp_mlx.sources.gguf import DTYPES, Q_BITS, Q_GROUP_SIZES, convert_gguf
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

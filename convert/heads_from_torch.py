@@ -19,8 +19,8 @@ from pathlib import Path
 # Let the script run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clp_mlx.cli import guarded  # noqa: E402
-from clp_mlx.torch_heads import convert_torch_heads  # noqa: E402
+from clp_mlx.cli.args import guarded  # noqa: E402
+from clp_mlx.sources.torch_heads import convert_torch_heads  # noqa: E402
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ from pathlib import Path
 # Let the script run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clp_mlx.cli import guarded  # noqa: E402
+from clp_mlx.cli.args import guarded  # noqa: E402
 from clp_mlx.errors import ClpError  # noqa: E402
 
 SHIPPED = Path(__file__).resolve().parents[1] / "clp_mlx" / "shipped"
@@ -43,8 +43,9 @@ def portable(value):
 def package_heads(src: Path, name: str, dest_root: Path = SHIPPED) -> Path:
     import mlx.core as mx
 
-    from clp_mlx.heads import atomic_folder, read_config
-    from clp_mlx.sources import NAMED_MODELS
+    from clp_mlx.model.heads import read_config
+    from clp_mlx.paths import atomic_folder
+    from clp_mlx.sources.resolve import NAMED_MODELS
 
     if name not in NAMED_MODELS:
         raise ClpError(f"{name!r} is not a named default model ({', '.join(NAMED_MODELS)})")

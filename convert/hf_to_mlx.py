@@ -17,8 +17,8 @@ from pathlib import Path
 # Let the script run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clp_mlx.cli import add_model_output_args, guarded  # noqa: E402
-from clp_mlx.hf_convert import DTYPES, Q_BITS, Q_GROUP_SIZES, convert_hf  # noqa: E402
+from clp_mlx.cli.args import add_model_output_args, guarded  # noqa: E402
+from clp_mlx.sources.hf import DTYPES, Q_BITS, Q_GROUP_SIZES, convert_hf  # noqa: E402
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import qwen2
 
-from clp_mlx.heads import init_heads
+from clp_mlx.model.heads import init_heads
 
 
 def tiny_model(
@@ -108,7 +108,7 @@ def write_model_folder(folder, model):
 @pytest.fixture(autouse=True)
 def _pass_costs_in_tmp(tmp_path, monkeypatch):
     """Measured pass costs go to a test folder, never the user's model cache."""
-    import clp_mlx.feed as feed
+    import clp_mlx.decode.feed as feed
 
     monkeypatch.setattr(feed, "_costs_file", lambda: tmp_path / "pass_costs.json")
     monkeypatch.setattr(feed, "_measured", {})

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from conftest import FakeTokenizer, random_heads, tiny_model, write_model_folder
 
-from clp_mlx.bench import bench, main, repetition_ratio, settings, wikitext_prompts
-from clp_mlx.bench_methods import Start, continuation_nll, perplexity, run_one
-from clp_mlx.bench_prompts import encode_prompts, instruction_prompts
-from clp_mlx.bench_report import plots, write_json
-from clp_mlx.decode import decode
+from clp_mlx.cli.bench import bench, main, repetition_ratio, settings, wikitext_prompts
+from clp_mlx.bench.methods import Start, continuation_nll, perplexity, run_one
+from clp_mlx.bench.prompts import encode_prompts, instruction_prompts
+from clp_mlx.bench.report import plots, write_json
+from clp_mlx.decode.loop import decode
 from clp_mlx.errors import ClpError
 
 ARTICLES = """ = First article =
@@ -252,7 +252,7 @@ def test_models_without_heads(tmp_path, capsys):
 
 
 def test_bench_step_reports_the_pass_widths_and_the_host_work(tmp_path, capsys):
-    from clp_mlx import bench_step
+    from clp_mlx.cli import bench_step
 
     folder = write_model_folder(tmp_path / "tiny", tiny_model(0))
     assert bench_step.main(["--model", str(folder), "--repeats", "1", "--context", "8"]) == 0

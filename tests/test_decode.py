@@ -9,11 +9,11 @@ from conftest import FakeTokenizer, random_heads, tiny_model
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from clp_mlx.backbone import hidden_states, project
-from clp_mlx.decode import DecodeStats, decode
+from clp_mlx.model.backbone import hidden_states, project
+from clp_mlx.decode.loop import DecodeStats, decode
 from clp_mlx.errors import ClpError
-from clp_mlx.generate import stream_generate
-from clp_mlx.heads import MTPBundle, init_heads
+from clp_mlx.cli.generate import stream_generate
+from clp_mlx.model.heads import MTPBundle, init_heads
 
 
 def run(prompt, model, heads=None, **kw):
@@ -216,7 +216,7 @@ def test_clp_parameter_count(model):
 def test_gate_has_about_a_million_parameters():
     from mlx.utils import tree_flatten
 
-    from clp_mlx.heads import Gate, gate_hidden_size
+    from clp_mlx.model.heads import Gate, gate_hidden_size
 
     for d, k in itertools.product((896, 1536), (2, 4)):
         gate = Gate(d, k, gate_hidden_size(d, k))
@@ -287,7 +287,7 @@ def test_verify_feeding_only_what_clp_expects_is_still_exact():
 
 
 def test_cost_feed_picks_the_best_rate():
-    from clp_mlx.feed import best_feed
+    from clp_mlx.decode.feed import best_feed
 
     flat = [1.0, 1.0, 1.0, 1.0]  # wide passes free: feed everything that may pass
     assert best_feed([0.1, 0.2, 0.3, 0.4], flat, 3) == 3
@@ -299,7 +299,7 @@ def test_cost_feed_picks_the_best_rate():
 
 
 def test_verify_feeding_by_cost_is_still_exact(monkeypatch):
-    import clp_mlx.decode as dec
+    import clp_mlx.decode.loop as dec
 
     model, prompt, ar, heads = partly_right_setup(3)
     clp_says_two(heads)
@@ -310,7 +310,7 @@ def test_verify_feeding_by_cost_is_still_exact(monkeypatch):
 
 
 def test_pass_costs_are_measured_once_per_setup(model, tmp_path):
-    import clp_mlx.feed as feed
+    import clp_mlx.decode.feed as feed
 
     costs = feed.pass_costs(model, 3, context=8, repeats=1)
     assert len(costs) == 3 and all(c > 0 for c in costs)

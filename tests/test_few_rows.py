@@ -16,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from clp_mlx import _blas, _few_rows
+from clp_mlx.native import blas as _blas
+from clp_mlx.native import few_rows as _few_rows
 
 needs_kernel = pytest.mark.skipif(
     not _blas.few_rows, reason=f"few-row kernel not in use here: {_few_rows.note}"
@@ -76,7 +77,7 @@ def test_many_rows_and_transposed_operands_go_to_openblas_and_stay_right():
 def _child(env_extra: dict, tmp_path) -> str:
     code = (
         "import clp_mlx, numpy as np, mlx.core as mx\n"
-        "from clp_mlx import _blas, _few_rows\n"
+        "from clp_mlx.native import blas as _blas, few_rows as _few_rows\n"
         "x, w = mx.ones((2, 64)), mx.ones((3, 64))\n"
         "assert np.allclose(np.asarray(x @ w.T), 64.0)\n"
         "print(_blas.few_rows, _few_rows.note)\n"

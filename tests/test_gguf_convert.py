@@ -12,9 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf_fixtures import CHAT_TEMPLATE, LAYERS, VOCAB_ROWS, vocab_tokens, write_tiny_gguf
 
-from clp_mlx import gguf_convert
+from clp_mlx.sources import gguf as gguf_convert
 from clp_mlx.errors import ClpError
-from clp_mlx.gguf_convert import convert_gguf
+from clp_mlx.sources.gguf import convert_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gguf_to_mlx", REPO / "convert" / "gguf_to_mlx.py")

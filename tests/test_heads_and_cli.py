@@ -9,10 +9,10 @@ import mlx.core as mx
 import pytest
 from conftest import random_heads, tiny_model, write_model_folder
 
-from clp_mlx.decode import decode
+from clp_mlx.decode.loop import decode
 from clp_mlx.errors import ClpError
-from clp_mlx.generate import main
-from clp_mlx.heads import init_heads, load_heads, save_heads
+from clp_mlx.cli.generate import main
+from clp_mlx.model.heads import init_heads, load_heads, save_heads
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ def test_context_rows_and_clp_input_rule_are_saved_with_the_heads(tmp_path, mode
 
 def test_chained_heads_draft_in_turn(model):
     """Head i of a "chain" bundle sees the draft of head i-1, as in training."""
-    from clp_mlx.backbone import embed
+    from clp_mlx.model.backbone import embed
 
     heads = random_heads(model, 3, seed=5, scale=0.5, design="chain")
     h = mx.random.normal((4, model.args.hidden_size), key=mx.random.key(1))
@@ -156,7 +156,7 @@ def test_chained_heads_draft_in_turn(model):
 def test_packaging_heads_halves_them_and_keeps_the_report(model, tmp_path):
     import importlib.util
 
-    from clp_mlx.heads import load_heads, save_heads
+    from clp_mlx.model.heads import load_heads, save_heads
 
     spec = importlib.util.spec_from_file_location(
         "heads_to_package", Path(__file__).parents[1] / "convert" / "heads_to_package.py"

@@ -18,8 +18,8 @@ from mlx_lm import load
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from clp_mlx.errors import ClpError
-from clp_mlx.hf_convert import convert_hf
-from clp_mlx.torch_zip import save_torch_file
+from clp_mlx.sources.hf import convert_hf
+from clp_mlx.sources.torch_zip import save_torch_file
 
 VOCAB = 320  # more embedding rows than tokens, as in Qwen's checkpoints
 TOKENS = mx.array([[1, 5, 42, 300, 7]])

@@ -6,10 +6,10 @@ import pytest
 from conftest import random_heads, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
 
-from clp_mlx.backbone import hidden_states, project
-from clp_mlx.decode import DecodeStats, decode
-from clp_mlx.heads import MTPBundle
-from clp_mlx.lookup import ContextDrafter, row_drafts
+from clp_mlx.model.backbone import hidden_states, project
+from clp_mlx.decode.loop import DecodeStats, decode
+from clp_mlx.model.heads import MTPBundle
+from clp_mlx.decode.lookup import ContextDrafter, row_drafts
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_context_lets_a_prefilled_cache_copy_from_the_tokens_it_holds():
 
 
 def test_bench_methods_with_and_without_context_drafts():
-    from clp_mlx.bench_methods import bench
+    from clp_mlx.bench.methods import bench
 
     model, prompt = looping_setup()
     # Match of length n: CLP's most likely run is n (P = e^2 / (e^2 + 3) = 0.71).
@@ -150,7 +150,7 @@ def test_bench_methods_with_and_without_context_drafts():
 
 
 def test_clp_threshold_takes_the_longest_run_likely_enough():
-    from clp_mlx.heads import accept_count
+    from clp_mlx.model.heads import accept_count
 
     logits = mx.log(mx.array([0.3, 0.1, 0.4, 0.2]))  # P(run >= 1, 2, 3) = 0.7, 0.6, 0.2
     assert accept_count(logits).item() == 2  # the most likely run (the paper's rule)

@@ -11,9 +11,9 @@ import pytest
 from conftest import random_heads, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
 
-from clp_mlx import padrows
-from clp_mlx.backbone import hidden_states, project
-from clp_mlx.decode import decode
+from clp_mlx.native import padrows
+from clp_mlx.model.backbone import hidden_states, project
+from clp_mlx.decode.loop import decode
 
 
 def logits_of(model, tokens):

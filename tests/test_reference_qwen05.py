@@ -18,10 +18,10 @@ import clp_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
-from clp_mlx.backbone import load_backbone
-from clp_mlx.decode import decode
+from clp_mlx.model.backbone import load_backbone
+from clp_mlx.decode.loop import decode
 from clp_mlx.errors import ClpError
-from clp_mlx.sources import resolve_model
+from clp_mlx.sources.resolve import resolve_model
 
 pytestmark = pytest.mark.slow
 

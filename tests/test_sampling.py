@@ -16,11 +16,11 @@ from conftest import random_heads, tiny_model
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from clp_mlx import sampling
-from clp_mlx.backbone import hidden_states, project
-from clp_mlx.decode import DecodeStats, decode
+from clp_mlx.decode import sampling
+from clp_mlx.model.backbone import hidden_states, project
+from clp_mlx.decode.loop import DecodeStats, decode
 from clp_mlx.errors import ClpError
-from clp_mlx.sampling import Sampling, accept_drafts, draw, log_probs
+from clp_mlx.decode.sampling import Sampling, accept_drafts, draw, log_probs
 
 V = 4  # vocabulary of the exactness tests
 PROMPT = [1, 2, 3, 0]

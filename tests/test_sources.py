@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from clp_mlx import pypi_parts, sources
+from clp_mlx.sources import pypi_parts
+from clp_mlx.sources import resolve as sources
 from clp_mlx.errors import ClpError
 
 PARTS = [b"GGUF-first-slice|", b"second-slice|", b"third"]
@@ -85,8 +86,8 @@ def home(tmp_path, monkeypatch):
     monkeypatch.setitem(sources.NAMED_MODELS, "fake-model", fake)
 
     gguf_convert, hf_convert = FakeConverter(), FakeConverter()
-    monkeypatch.setitem(sys.modules, "clp_mlx.gguf_convert", types.SimpleNamespace(convert_gguf=gguf_convert))
-    monkeypatch.setitem(sys.modules, "clp_mlx.hf_convert", types.SimpleNamespace(convert_hf=hf_convert))
+    monkeypatch.setitem(sys.modules, "clp_mlx.sources.gguf", types.SimpleNamespace(convert_gguf=gguf_convert))
+    monkeypatch.setitem(sys.modules, "clp_mlx.sources.hf", types.SimpleNamespace(convert_hf=hf_convert))
     pip = FakePip(PARTS)
     monkeypatch.setattr(pypi_parts, "pip_download", pip)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from clp_mlx.errors import ClpError
-from clp_mlx.torch_zip import (
+from clp_mlx.sources.torch_zip import (
     _Global,
     _StorageOut,
     _TensorOut,

@@ -8,8 +8,8 @@ import pytest
 from conftest import tiny_model, write_model_folder
 
 from clp_mlx.errors import ClpError
-from clp_mlx.train import main
-from clp_mlx.trainer import run_lengths, walked_tokens_per_pass
+from clp_mlx.cli.train import main
+from clp_mlx.train.trainer import run_lengths, walked_tokens_per_pass
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def args(root, folder, text, out, steps=40, extra=()):
 
 
 def test_held_out_rows_are_whole_prompts_never_trained_on():
-    from clp_mlx.train import split_rows
+    from clp_mlx.cli.train import split_rows
 
     train, held = split_rows(50, seed=0)
     assert len(held) == 5 and not set(train) & set(held)
@@ -111,7 +111,7 @@ def test_eval_reports_heads_alone_and_with_context_drafts(setup, capsys):
 
 
 def test_eval_walks_whole_rows_up_to_its_bound(setup, capsys, monkeypatch):
-    import clp_mlx.train as train
+    import clp_mlx.cli.train as train
 
     root, folder, text = setup
     if not (root / "heads").exists():
@@ -164,8 +164,8 @@ def test_bad_training_input(setup, tmp_path):
 
 
 def test_greedy_continuations_are_what_plain_decoding_writes(tmp_path):
-    from clp_mlx.decode import decode
-    from clp_mlx.features import continue_greedily, load_features
+    from clp_mlx.decode.loop import decode
+    from clp_mlx.train.features import continue_greedily, load_features
 
     model = tiny_model(1, vocab=128)
     prompts = np.random.default_rng(3).integers(0, 128, (5, 6)).astype(np.int32)
@@ -200,7 +200,7 @@ def test_chained_heads_on_the_text_itself(setup):
 
 
 def test_heads_see_the_rows_tokens_that_their_labels_follow():
-    from clp_mlx.trainer import Positions
+    from clp_mlx.train.trainer import Positions
 
     rng = np.random.default_rng(5)
     n, length, k = 3, 12, 2

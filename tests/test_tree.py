@@ -8,12 +8,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_decode import prompt_of, run, shift_model
 from test_lookup import context_heads, looping_setup
 
-from clp_mlx import padrows, tree
-from clp_mlx.backbone import hidden_states, project
-from clp_mlx.decode import DecodeStats, decode
+from clp_mlx.native import padrows
+from clp_mlx.decode import tree
+from clp_mlx.model.backbone import hidden_states, project
+from clp_mlx.decode.loop import DecodeStats, decode
 from clp_mlx.errors import ClpError
-from clp_mlx.lookup import ContextDrafter
-from clp_mlx.tree import Tree, keep_path, tree_hidden_states
+from clp_mlx.decode.lookup import ContextDrafter
+from clp_mlx.decode.tree import Tree, keep_path, tree_hidden_states
 
 
 def test_trie_merges_prefixes_and_stops_at_its_size():
@@ -120,7 +121,7 @@ def test_one_tree_branch_feeds_the_heads_drafts_as_a_chain(model):
         return original(model, heads, t, cache, width, *a)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("clp_mlx.decode.verify_tree_step", spy)
+        mp.setattr("clp_mlx.decode.loop.verify_tree_step", spy)
         for branches in (5, 1):
             heads.config.tree_branches = branches
             fed.clear()
@@ -143,7 +144,7 @@ def test_trees_by_default_only_where_wide_passes_are_padded():
         return original(model, heads, fed, *a, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("clp_mlx.decode.verify_tree_step", spy)
+        mp.setattr("clp_mlx.decode.loop.verify_tree_step", spy)
         assert run(prompt, model, heads, max_tokens=40, feed="all") == ar
         assert not calls
         padrows.pad_rows(model, force=True)

@@ -19,7 +19,7 @@ import os
 import sys
 import warnings
 
-from . import _few_rows
+from . import few_rows as _few_rows
 
 _FIX = (
     "Decoding on the CPU will be about 30x slower than it should. Install "

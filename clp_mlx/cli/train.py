@@ -23,12 +23,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from .cli import run
-from .errors import ClpError
-from .features import continue_greedily, extract, load_features, tokenize_files
-from .heads import DESIGNS, init_heads, load_heads, save_heads
-from .lookup import row_drafts
-from .trainer import (
+from .args import run
+from ..errors import ClpError
+from ..train.features import continue_greedily, extract, load_features, tokenize_files
+from ..model.heads import DESIGNS, init_heads, load_heads, save_heads
+from ..decode.lookup import row_drafts
+from ..train.trainer import (
     HeadTrainer,
     Positions,
     TrainConfig,
@@ -327,7 +327,7 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
             raise ClpError(f"--{name.replace('_', '-')} must be at least 1")
     if args.lookup < 0 or args.clp_l2 < 0:
         raise ClpError("--lookup and --clp-l2 must be 0 or more")
-    from .api import load
+    from ..api import load
 
     if args.eval:
         if not args.heads:
@@ -457,5 +457,9 @@ def _plot(history: list, path: Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
+def cli() -> None:
     run(main)
+
+
+if __name__ == "__main__":
+    cli()

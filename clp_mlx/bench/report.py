@@ -15,7 +15,8 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from . import _blas, _few_rows
+from ..native import blas as _blas
+from ..native import few_rows as _few_rows
 
 PLOTS = ("speedup-vs-quality.png", "accepted-lengths.png")
 

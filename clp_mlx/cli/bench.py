@@ -35,7 +35,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from .bench_methods import (
+from ..bench.methods import (
     DEFAULT_MODES,
     METHODS,
     bench,
@@ -44,15 +44,15 @@ from .bench_methods import (
     peak_memory_source,
     repetition_ratio,
 )
-from .bench_prompts import (
+from ..bench.prompts import (
     CHAT_TEMPLATE_CHOICES,
     encode_prompts,
     instruction_prompts,
     wikitext_prompts,
 )
-from .bench_report import environment, markdown, plots, weights_dtype, write_json
-from .cli import run
-from .errors import ClpError
+from ..bench.report import environment, markdown, plots, weights_dtype, write_json
+from .args import run
+from ..errors import ClpError
 
 __all__ = ["bench", "main", "repetition_ratio", "settings", "wikitext_prompts"]
 
@@ -152,8 +152,8 @@ def _methods_for(args, spec, model, heads, draft) -> tuple[list, list]:
 
 def _one_model(args, spec, texts, kind, draft) -> dict:
     """Benchmark one model, print its table; its entry of the JSON."""
-    from .api import load, shipped_heads
-    from .sources import default_model_name
+    from ..api import load, shipped_heads
+    from ..sources.resolve import default_model_name
 
     model, tokenizer, heads = load(spec, args.heads)
     ids, templated = encode_prompts(
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         texts = instruction_prompts(args.prompts, args.num_prompts)
     import mlx.core as mx
 
-    from .api import load
+    from ..api import load
 
     draft = load(args.draft_model, None)[0] if "mlx-lm-draft" in args.modes else None
     entries = []
@@ -215,5 +215,9 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
     run(main)
+
+
+if __name__ == "__main__":
+    cli()

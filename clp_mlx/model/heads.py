@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,7 +25,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import backbone
-from .errors import ClpError
+from ..errors import ClpError
+from ..paths import atomic_folder
 
 FORMAT = "clp-mlx-heads"
 DESIGNS = ("medusa", "embed", "chain")
@@ -360,22 +357,6 @@ def save_heads(
             meta["extra"] = extra
         (tmp / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
     return folder
-
-
-@contextmanager
-def atomic_folder(folder: Path):
-    """Yield a temporary sibling of ``folder``; on success it replaces ``folder``,
-    on any error it is removed: no half-written folder ever has the name."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
-    try:
-        yield tmp
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_config(folder: str | Path) -> HeadsConfig:

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import ClpError
+from ..errors import ClpError
+from ..paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +79,6 @@ NAMED_MODELS: dict[str, NamedModel] = {
 def default_model_name() -> str:
     """The named model used when no ``--model`` is given."""
     return "qwen2.5-coder-0.5b-instruct"
-
-
-def cache_root() -> Path:
-    """Where downloads and conversions are kept: ``$CLP_MLX_HOME``, else ``~/.cache/clp_mlx``."""
-    home = os.environ.get("CLP_MLX_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "clp_mlx"
 
 
 def resolve_model(
@@ -324,13 +319,13 @@ def _hub_progress(progress: bool) -> Iterator[None]:
 
 
 def _convert_gguf(gguf: Path, out: Path, dtype: str, progress: bool) -> Path:
-    from .gguf_convert import convert_gguf  # heavy (mlx, gguf): only when converting
+    from .gguf import convert_gguf  # heavy (mlx, gguf): only when converting
 
     return Path(convert_gguf(gguf, out, dtype=dtype, force=False, progress=progress))
 
 
 def _convert_hf(src: Path, out: Path, dtype: str) -> Path:
-    from .hf_convert import convert_hf
+    from .hf import convert_hf
 
     return Path(convert_hf(src, out, dtype=dtype, force=False))
 

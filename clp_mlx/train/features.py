@@ -17,9 +17,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import backbone
-from .decode import greedy
-from .errors import ClpError
+from ..model import backbone
+from ..decode.loop import greedy
+from ..errors import ClpError
 
 CHUNK_SEQS = 8  # sequences per file: small enough to lose little on an interrupt
 

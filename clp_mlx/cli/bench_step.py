@@ -20,12 +20,12 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from . import backbone
-from .cli import run
-from .decode import check_argmax, greedy, unchecked_step
-from .lookup import ContextDrafter
-from .padrows import ROWS
-from .tree import Tree, verify_tree_step
+from ..model import backbone
+from .args import run
+from ..decode.loop import check_argmax, greedy, unchecked_step
+from ..decode.lookup import ContextDrafter
+from ..native.padrows import ROWS
+from ..decode.tree import Tree, verify_tree_step
 
 
 def _verify(model, heads, fed: Tree, cache):
@@ -174,5 +174,9 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
     run(main)
+
+
+if __name__ == "__main__":
+    cli()

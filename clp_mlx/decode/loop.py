@@ -59,11 +59,11 @@ from typing import Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .backbone import hidden_states, project
-from .errors import ClpError
-from . import padrows
+from ..model.backbone import hidden_states, project
+from ..errors import ClpError
+from ..native import padrows
 from .feed import best_feed, pass_costs
-from .heads import MTPBundle, accept_count
+from ..model.heads import MTPBundle, accept_count
 from .lookup import ContextDrafter
 from .sampling import Sampling, accept_drafts, draw, log_probs
 from .tree import Tree, keep_path, supported, verify_tree_step

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .api import _encode
-from .errors import ClpError
+from ..api import _encode
+from ..errors import ClpError
 
 CHAT_TEMPLATE_CHOICES = ("auto", "always", "never")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .errors import ClpError
+from ..errors import ClpError
 
 
 @dataclass(frozen=True)

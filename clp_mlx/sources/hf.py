@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from clp_mlx.errors import ClpError
-from clp_mlx.torch_zip import load_torch_file
+from clp_mlx.sources.torch_zip import load_torch_file
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 Q_BITS = (2, 3, 4, 5, 6, 8)

@@ -12,12 +12,12 @@
  * rows, the tile it falls in or the thread that computes it, so a row's result
  * does not depend on how many rows (up to 16) share the call: a verify pass
  * sees the same logits as a one-token pass for the same row. Everything else
- * (more rows, column-major, transposed activations, alpha = 0) goes to
+ * (more rows, column-major, transposed activations) goes to
  * OpenBLAS, one-threaded, each thread of ours taking a slice of the columns:
  * one thread pool, not two fighting over the cores.
  *
  * Loaded before OpenBLAS (RTLD_GLOBAL) so that MLX's cblas_sgemm resolves
- * here; clp_mlx/_blas.py builds and loads it. Plain C with GCC vector
+ * here; clp_mlx/native/blas.py builds and loads it. Plain C with GCC vector
  * extensions and OpenMP.
  */
 #include <stddef.h>
@@ -176,11 +176,25 @@ static void split_columns(int ta, int tb, int M, int N, int K, float alpha, cons
     }
 }
 
+/* C = beta C, beta 0 writing zeros (C may hold garbage then), any storage order. */
+static void scale_c(int order, int M, int N, float beta, float *C, int ldc) {
+    int rows = order == ROW_MAJOR ? M : N, cols = order == ROW_MAJOR ? N : M;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            float *x = C + (size_t)r * ldc + c;
+            *x = beta == 0.0f ? 0.0f : beta * *x;
+        }
+}
+
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, const float *A,
                  int lda, const float *B, int ldb, float beta, float *C, int ldc) {
     if (!fallback) {
         fputs("few_rows: cblas_sgemm called before few_rows_init\n", stderr);
         abort();
+    }
+    if (alpha == 0.0f) { /* C = beta C: A and B are not read (some BLAS builds read them) */
+        scale_c(order, M, N, beta, C, ldc);
+        return;
     }
     if (order == ROW_MAJOR && ta == NO_TRANS && M > 0 && M <= MAX_ROWS && N > 0 && alpha != 0.0f) {
         if (tb == TRANS || tb == CONJ_TRANS) { /* real numbers: the same */

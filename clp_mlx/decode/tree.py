@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, trim_prompt_cache
 
-from .backbone import hidden_states, project
+from ..model.backbone import hidden_states, project
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Build and load ``few_rows.c``, the few-row matmul kernel (Linux CPU only).
 
 Compiled once per machine with the system C compiler into the cache
-(``few_rows/`` under :func:`clp_mlx.sources.cache_root`), keyed by the source,
+(``few_rows/`` under :func:`clp_mlx.paths.cache_root`), keyed by the source,
 the compiler and the CPU, and renamed into place only when complete. Nothing
 here imports MLX: it must run before ``mlx.core`` binds its BLAS symbols.
 ``CLP_MLX_FEW_ROWS=0`` turns it off (plain OpenBLAS, as before).
@@ -73,7 +73,7 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("CLP_MLX_FEW_ROWS", "1") == "0":
         note = "off (CLP_MLX_FEW_ROWS=0)"
         return None
-    from .sources import cache_root  # stdlib only: safe before mlx
+    from ..paths import cache_root  # stdlib only: safe before mlx
 
     try:
         cache = cache_root()

@@ -21,15 +21,15 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import _blas
-from .backbone import hidden_states, project, signature
-from .padrows import is_padded
+from ..native import blas as _blas
+from ..model.backbone import hidden_states, project, signature
+from ..native.padrows import is_padded
 
 _measured: dict[str, list[float]] = {}  # by setup, as on disk
 
 
 def _costs_file() -> Path:
-    from .sources import cache_root
+    from ..paths import cache_root
 
     return cache_root() / "pass_costs.json"
 

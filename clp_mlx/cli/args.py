@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from .errors import ClpError
+from ..errors import ClpError
 
 
 def guarded(main: Callable[[], int | None]) -> int:

@@ -22,8 +22,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .decode import MODES, DecodeStats, decode, prefill
-from .errors import ClpError
+from ..decode.loop import MODES, DecodeStats, decode, prefill
+from ..errors import ClpError
 
 # verify: as generate runs it (feed by cost, context drafts, token trees where wide
 # passes are padded); verify-all / verify-clp: feed every draft / what CLP expects to

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from clp_mlx.errors import ClpError
-from clp_mlx.torch_zip import load_torch_file
+from clp_mlx.sources.torch_zip import load_torch_file
 
 PROJECTION_RTOL = 1e-3
 # Wrappers that training scripts put around a state dict, stripped when every key has one.
@@ -251,7 +251,7 @@ def convert_torch_heads(
     drop_head_projections: bool = False,
 ) -> Path:
     """Convert a PyTorch head checkpoint for the MLX model in ``model_dir``; return ``out_dir``."""
-    from clp_mlx.heads import bundle_from_arrays, save_heads
+    from clp_mlx.model.heads import bundle_from_arrays, save_heads
 
     out, model_dir = Path(out_dir), Path(model_dir)
     if out.exists() and not force:

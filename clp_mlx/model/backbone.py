@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import ClpError
-from .padrows import pad_rows
+from ..errors import ClpError
+from ..native.padrows import pad_rows
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

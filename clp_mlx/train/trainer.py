@@ -26,8 +26,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import backbone
-from .heads import MTPBundle
+from ..model import backbone
+from ..model.heads import MTPBundle
 
 
 @dataclass

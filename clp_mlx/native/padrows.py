@@ -17,7 +17,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import _blas
+from . import blas as _blas
 
 ROWS = 16  # the padded height
 FROM = 3  # pad matmuls with at least this many rows (and fewer than ROWS)

@@ -1,0 +1,1 @@
+"""The benchmark: named decode methods, prompts, and the report."""

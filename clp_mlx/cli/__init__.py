@@ -1,0 +1,1 @@
+"""Command-line entry points: thin, sharing one argument module (:mod:`.args`)."""
