@@ -16,11 +16,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from clp_mlx.native import blas as _blas
 from clp_mlx.native import few_rows as _few_rows
+from clp_mlx.native import status
 
 needs_kernel = pytest.mark.skipif(
-    not _blas.few_rows, reason=f"few-row kernel not in use here: {_few_rows.note}"
+    not status().few_rows, reason=f"few-row kernel not in use here: {status().note}"
 )
 
 
@@ -77,10 +77,10 @@ def test_many_rows_and_transposed_operands_go_to_openblas_and_stay_right():
 def _child(env_extra: dict, tmp_path) -> str:
     code = (
         "import clp_mlx, numpy as np, mlx.core as mx\n"
-        "from clp_mlx.native import blas as _blas, few_rows as _few_rows\n"
+        "from clp_mlx.native import status\n"
         "x, w = mx.ones((2, 64)), mx.ones((3, 64))\n"
         "assert np.allclose(np.asarray(x @ w.T), 64.0)\n"
-        "print(_blas.few_rows, _few_rows.note)\n"
+        "print(status().few_rows, status().note)\n"
     )
     env = {**os.environ, "CLP_MLX_HOME": str(tmp_path), **env_extra}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -88,7 +88,7 @@ def _child(env_extra: dict, tmp_path) -> str:
     return out.stdout.strip()
 
 
-@pytest.mark.skipif(sys.platform != "linux" or not _blas.loaded, reason="OpenBLAS preload is Linux-only")
+@pytest.mark.skipif(sys.platform != "linux" or not status().loaded, reason="OpenBLAS preload is Linux-only")
 def test_without_a_compiler_or_when_off_plain_openblas_does_the_work(tmp_path):
     assert _child({"CC": str(tmp_path / "no-such-cc")}, tmp_path).startswith("False off (could not build")
     assert _child({"CLP_MLX_FEW_ROWS": "0"}, tmp_path) == "False off (CLP_MLX_FEW_ROWS=0)"
@@ -97,7 +97,7 @@ def test_without_a_compiler_or_when_off_plain_openblas_does_the_work(tmp_path):
 
 def _sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """The kernel's cblas_sgemm called directly, row-major, on float32 numpy buffers."""
-    f = _few_rows._lib.cblas_sgemm
+    f = _few_rows.library().cblas_sgemm
     ptr = ctypes.POINTER(ctypes.c_float)
     f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ptr, ctypes.c_int, ptr, ctypes.c_int]
     f.argtypes += [ctypes.c_float, ptr, ctypes.c_int]

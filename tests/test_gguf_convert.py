@@ -31,7 +31,8 @@ def load_weights(folder: Path) -> dict[str, np.ndarray]:
 
 
 def leftovers(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(folder.name))
+    """``folder`` and its siblings, hidden temporary ones (``.out.partial-*``) included."""
+    return sorted(p.name for p in folder.parent.iterdir() if p.name.lstrip(".").startswith(folder.name))
 
 
 @pytest.fixture(scope="module")

