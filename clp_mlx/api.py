@@ -14,8 +14,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from .model import backbone
-from .decode.loop import DecodeStats, decode
+from .decode.config import DecodeConfig
+from .decode.loop import decode
+from .decode.steps import DecodeStats, tokens_of
 from .errors import ClpError
+from .model.tokens import encode
 from .model.heads import MTPBundle, init_heads, load_heads
 from .decode.sampling import Sampling
 
@@ -79,14 +82,32 @@ def shipped_heads(model: str | None) -> Path | None:
     return folder if name in NAMED_MODELS and (folder / "heads.json").is_file() else None
 
 
-def _encode(tokenizer, prompt) -> list:
-    if isinstance(prompt, str):
-        # mlx-lm's rule: add special tokens unless the prompt carries the BOS.
-        bos = tokenizer.bos_token
-        return tokenizer.encode(
-            prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
-        )
-    return list(prompt)
+def decode_config(
+    *,
+    mode: str | None = None,
+    max_tokens: int = 256,
+    num_draft_tokens: int | None = None,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    feed: str = "cost",
+    lookup: bool | None = None,
+    clp_threshold: float | None = None,
+    tree: int | None = None,
+) -> DecodeConfig:
+    """A :class:`DecodeConfig` from the keyword arguments of :func:`stream_generate`."""
+    return DecodeConfig(
+        mode=mode,
+        max_tokens=max_tokens,
+        draft_len=num_draft_tokens,
+        feed=feed,
+        context_drafts=lookup,
+        tree=tree,
+        clp_threshold=clp_threshold,
+        sampling=Sampling(temp, top_p, top_k, seed, min_p),
+    )
 
 
 def stream_generate(
@@ -95,67 +116,35 @@ def stream_generate(
     prompt,
     heads: MTPBundle | None = None,
     *,
-    mode: str | None = None,
-    max_tokens: int = 256,
-    num_draft_tokens: int | None = None,
+    config: DecodeConfig | None = None,
     prompt_cache=None,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    feed: str = "cost",
-    lookup: bool | None = None,
-    clp_threshold: float | None = None,
-    tree: int | None = None,
+    **options,
 ):
     """Yield a :class:`Response` per token; the last one has a finish reason.
 
-    ``feed`` (greedy verify): "cost" (default) feeds the number of drafts
-    with the most expected tokens per unit of pass time (see
-    :mod:`clp_mlx.feed`; pass times are measured once per setup), "clp" only
-    the drafts CLP expects to be accepted, "all" every draft. Same output.
-    ``lookup``: context drafts (heads fitted for them, greedy) on/off; None:
-    on for verify, off for clp;
-    ``clp_threshold`` (clp mode) accepts the longest n with P(run >= n) at
-    or above it instead of CLP's most likely run. ``tree`` (greedy verify):
-    the most tokens a step that feeds 2+ drafts may feed as a token tree;
-    None: where wide passes are padded, the padded width (see
-    :func:`clp_mlx.decode.decode`).
-
-    ``temp`` 0 is greedy; above 0, tokens are sampled (``top_p``/``top_k``
-    as in mlx-lm; ``seed`` None follows ``mx.random.seed``). ``verify``
-    samples exactly from the backbone's distribution; see
-    :mod:`clp_mlx.decode` for the other modes. ``prompt_cache`` is extended
-    in place: see :func:`clp_mlx.decode.decode` for what it holds after.
+    How to decode is ``config``, or the keyword arguments of
+    :func:`decode_config` (``mode``, ``max_tokens``, ``temp``, ``top_p``,
+    ``top_k``, ``min_p``, ``seed``, ``num_draft_tokens``, ``feed``, ``lookup``,
+    ``clp_threshold``, ``tree``); see :class:`clp_mlx.decode.config.DecodeConfig`
+    for what each means. ``temp`` 0 is greedy; ``verify`` samples exactly from
+    the backbone's distribution. ``prompt_cache`` is extended in place: see
+    :func:`clp_mlx.decode.loop.decode` for what it holds after.
     """
-    mode = mode or ("verify" if heads is not None else "ar")
-    sampling = Sampling(temp, top_p, top_k, seed)
-    tokens = _encode(tokenizer, prompt)
-    k = heads.k if heads is not None and mode != "ar" else 0
-    stats = DecodeStats(mode, k)
+    if config is not None and options:
+        raise ClpError(f"pass either config or options, not both ({', '.join(options)})")
+    config = (config or decode_config(**options)).resolve(model, heads)
+    tokens = encode(tokenizer, prompt)
+    stats = DecodeStats(config.mode, heads.k if config.mode != "ar" else 0)
     detok = tokenizer.detokenizer
     detok.reset()
-    gen = decode(
-        tokens,
-        model,
-        heads,
-        mode=mode,
-        num_draft_tokens=num_draft_tokens,
-        max_tokens=max_tokens,
-        prompt_cache=prompt_cache,
-        stats=stats,
-        sampling=sampling,
-        feed=feed,
-        lookup=lookup,
-        clp_threshold=clp_threshold,
-        tree=tree,
-    )
+    pairs = tokens_of(stats.counting(decode(tokens, model, heads, config, prompt_cache=prompt_cache)))
+    max_tokens = config.max_tokens
     tic = time.perf_counter()
     prompt_tps = 0.0
     n = 0
     token, from_draft, reason = None, False, "length"
     try:
-        for n, (token, from_draft) in enumerate(gen, start=1):
+        for n, (token, from_draft) in enumerate(pairs, start=1):
             if n == 1:
                 prompt_time = time.perf_counter() - tic
                 prompt_tps = len(tokens) / prompt_time
@@ -172,7 +161,7 @@ def stream_generate(
     finally:
         # Also when the caller stops early: the decode generator leaves its
         # stream context now, not whenever it is garbage-collected.
-        gen.close()
+        pairs.close()
     detok.finalize()
     yield _response(
         detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, reason, stats

@@ -111,4 +111,29 @@ def _pass_costs_in_tmp(tmp_path, monkeypatch):
     import clp_mlx.decode.feed as feed
 
     monkeypatch.setattr(feed, "_costs_file", lambda: tmp_path / "pass_costs.json")
-    monkeypatch.setattr(feed, "_measured", {})
+    feed.forget_measured()
+
+
+def decode_pairs(prompt, model, heads=None, *, stats=None, prompt_cache=None, context=None, **kw):
+    """``(token, from_draft)`` pairs from :func:`clp_mlx.decode.loop.decode`.
+
+    Takes the options as keywords (``num_draft_tokens`` and ``lookup`` under
+    their old names too) and adds each step to ``stats`` when given. Feeds
+    every draft unless ``feed`` says otherwise: what these tests were written
+    for, independent of measured pass costs.
+    """
+    from clp_mlx.decode.config import DecodeConfig
+    from clp_mlx.decode.loop import decode
+    from clp_mlx.decode.steps import tokens_of
+
+    renamed = {"num_draft_tokens": "draft_len", "lookup": "context_drafts"}
+    options = {"feed": "all", **{renamed.get(k, k): v for k, v in kw.items()}}
+    steps = decode(prompt, model, heads, DecodeConfig(**options), prompt_cache=prompt_cache, context=context)
+
+    def counted():
+        for step in steps:
+            if stats is not None:
+                stats.add(step)
+            yield step
+
+    return tokens_of(counted())

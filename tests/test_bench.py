@@ -5,13 +5,13 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FakeTokenizer, random_heads, tiny_model, write_model_folder
+from conftest import decode_pairs, FakeTokenizer, random_heads, tiny_model, write_model_folder
 
 from clp_mlx.cli.bench import bench, main, repetition_ratio, settings, wikitext_prompts
-from clp_mlx.bench.methods import Start, continuation_nll, perplexity, run_one
+from clp_mlx.bench.measures import continuation_nll
+from clp_mlx.bench.methods import Start, run_one
 from clp_mlx.bench.prompts import encode_prompts, instruction_prompts
 from clp_mlx.bench.report import plots, write_json
-from clp_mlx.decode.loop import decode
 from clp_mlx.errors import ClpError
 
 ARTICLES = """ = First article =
@@ -104,7 +104,8 @@ def test_perplexity_matches_a_hand_computation(model):
         logits = np.array(model(mx.array([prompt + generated[:i]]))[0, -1], dtype=np.float64)
         nll -= logits[tok] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
     assert continuation_nll(model, prompt, generated) == pytest.approx(nll, rel=1e-4)
-    assert perplexity(model, prompt, generated) == pytest.approx(np.exp(nll / 4), rel=1e-4)
+    perplexity = np.exp(continuation_nll(model, prompt, generated) / len(generated))
+    assert perplexity == pytest.approx(np.exp(nll / 4), rel=1e-4)
     start = Start.prefill(model, prompt)
     assert continuation_nll(model, prompt, generated, start) == pytest.approx(nll, rel=1e-4)
     assert start.cache[0].offset == len(prompt) - 1  # rewound for the next method
@@ -116,7 +117,7 @@ def test_methods_from_one_prefill_match_fresh_decoding(model):
     ids = FakeTokenizer().encode("hello there")
     start = Start.prefill(model, ids)
     for mode in ("ar", "verify", "fixed", "ar"):
-        fresh = [t for t, _ in decode(ids, model, heads, mode=mode, max_tokens=10)]
+        fresh = [t for t, _ in decode_pairs(ids, model, heads, mode=mode, max_tokens=10)]
         assert run_one(model, heads, start, mode, 10).tokens == fresh, mode
         assert start.cache[0].offset == len(ids) - 1
 

@@ -159,7 +159,7 @@ def test_cache_holds_exactly_the_committed_tokens(loaded, monkeypatch, capsys, m
         heads = random_heads(model, 3, seed=1, scale=0.5)
     # top-k 20 keeps the zero-logit special tokens out: answers never end by themselves.
     argv = ["-m", "9", "--temp", str(temp), "--top-k", "20", "--mode", mode]
-    args = chat.setup_arg_parser().parse_args(argv)
+    config = chat.decode_config(chat.setup_arg_parser().parse_args(argv))
     conv = chat.Conversation(model, tokenizer)
     # Ctrl-C after 0, 4 and 7 tokens on turns 2-4; turns 1 and 5 run to -m 9.
     stops = [None, 0, 4, 7, None]
@@ -168,7 +168,7 @@ def test_cache_holds_exactly_the_committed_tokens(loaded, monkeypatch, capsys, m
     monkeypatch.setattr(chat, "stream_generate", interrupting(chat.stream_generate, stops))
     for turn in range(5):
         before = len(conv.tokens)
-        chat.answer(conv, f"question {turn}", args, heads, mode, limit=10_000)
+        chat.answer(conv, f"question {turn}", config, heads, limit=10_000)
         out = capsys.readouterr().out
         assert ("[interrupted]" in out) == (turn in (1, 2, 3)), out
         new, carried, last = conv.turns[-1]
@@ -185,9 +185,9 @@ def test_cache_holds_exactly_the_committed_tokens(loaded, monkeypatch, capsys, m
 def test_a_second_ctrl_c_inside_a_pass_leaves_a_usable_cache(loaded, monkeypatch, capsys):
     """A KeyboardInterrupt between two layers: each layer is trimmed on its own."""
     model, tokenizer = loaded
-    args = chat.setup_arg_parser().parse_args(["-m", "6"])
+    config = chat.decode_config(chat.setup_arg_parser().parse_args(["-m", "6", "--mode", "ar"]))
     conv = chat.Conversation(model, tokenizer)
-    chat.answer(conv, "first", args, None, "ar", limit=10_000)
+    chat.answer(conv, "first", config, None, limit=10_000)
     layers = model.model.layers
     real = layers[1]
 
@@ -197,12 +197,12 @@ def test_a_second_ctrl_c_inside_a_pass_leaves_a_usable_cache(loaded, monkeypatch
 
     layers[1] = Interrupted()  # layer 0 takes the new tokens, layer 1 never does
     try:
-        chat.answer(conv, "second", args, None, "ar", limit=10_000)
+        chat.answer(conv, "second", config, None, limit=10_000)
     finally:
         layers[1] = real
     assert "[interrupted]" in capsys.readouterr().out
     assert cache_matches_a_fresh_prefill(model, conv)
-    chat.answer(conv, "third", args, None, "ar", limit=10_000)
+    chat.answer(conv, "third", config, None, limit=10_000)
     assert cache_matches_a_fresh_prefill(model, conv)
 
 

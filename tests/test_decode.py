@@ -5,19 +5,19 @@ import json
 
 import mlx.core as mx
 import pytest
-from conftest import FakeTokenizer, random_heads, tiny_model
+from conftest import decode_pairs, FakeTokenizer, random_heads, tiny_model
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from clp_mlx.model.backbone import hidden_states, project
-from clp_mlx.decode.loop import DecodeStats, decode
+from clp_mlx.decode.steps import DecodeStats
 from clp_mlx.errors import ClpError
-from clp_mlx.cli.generate import stream_generate
+from clp_mlx.api import stream_generate
 from clp_mlx.model.heads import MTPBundle, init_heads
 
 
 def run(prompt, model, heads=None, **kw):
-    return [t for t, _ in decode(prompt, model, heads, **kw)]
+    return [t for t, _ in decode_pairs(prompt, model, heads, **kw)]
 
 
 def prompt_of(n, seed, vocab=128):
@@ -231,15 +231,15 @@ def test_gate_has_about_a_million_parameters():
         (dict(max_tokens=0), "max_tokens"),
         (dict(mode="nope"), "unknown mode"),
         (dict(mode="verify", heads=None), "needs heads"),
-        (dict(mode="verify", num_draft_tokens=0), "num_draft_tokens"),
-        (dict(mode="verify", num_draft_tokens=5), "num_draft_tokens"),
+        (dict(mode="verify", num_draft_tokens=0), "draft_len"),
+        (dict(mode="verify", num_draft_tokens=5), "draft_len"),
     ],
 )
 def test_bad_input_gives_clear_errors(model, kw, message):
     args = dict(prompt=[1, 2], heads=init_heads(model, 2), mode="ar", max_tokens=5)
     args.update(kw)
     with pytest.raises(ClpError, match=message):
-        list(decode(args.pop("prompt"), model, args.pop("heads"), **args))
+        list(decode_pairs(args.pop("prompt"), model, args.pop("heads"), **args))
 
 
 def test_k_below_one_is_refused(model):
@@ -255,7 +255,7 @@ def test_draft_vocabulary_keeps_verify_exact_and_limits_drafts(model):
     assert run(prompt, model, heads, mode="verify", max_tokens=30) == ar
     drafted = [
         t
-        for t, from_draft in decode(prompt, model, heads, mode="fixed", max_tokens=30)
+        for t, from_draft in decode_pairs(prompt, model, heads, mode="fixed", max_tokens=30)
         if from_draft
     ]
     assert drafted and all(t % 3 == 0 for t in drafted)
@@ -299,7 +299,7 @@ def test_cost_feed_picks_the_best_rate():
 
 
 def test_verify_feeding_by_cost_is_still_exact(monkeypatch):
-    import clp_mlx.decode.loop as dec
+    import clp_mlx.decode.verify as dec
 
     model, prompt, ar, heads = partly_right_setup(3)
     clp_says_two(heads)
@@ -315,6 +315,6 @@ def test_pass_costs_are_measured_once_per_setup(model, tmp_path):
     costs = feed.pass_costs(model, 3, context=8, repeats=1)
     assert len(costs) == 3 and all(c > 0 for c in costs)
     assert feed.pass_costs(model, 2) == costs[:2]  # remembered, not measured again
-    feed._measured.clear()  # a new process: the file in the model cache answers
+    feed.forget_measured()  # a new process: the file in the model cache answers
     assert feed.pass_costs(model, 3) == costs
     assert list(json.loads(feed._costs_file().read_text()).values()) == [costs]

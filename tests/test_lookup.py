@@ -3,11 +3,11 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import random_heads, tiny_model
+from conftest import decode_pairs, random_heads, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
 
 from clp_mlx.model.backbone import hidden_states, project
-from clp_mlx.decode.loop import DecodeStats, decode
+from clp_mlx.decode.steps import DecodeStats
 from clp_mlx.model.heads import MTPBundle
 from clp_mlx.decode.lookup import ContextDrafter, row_drafts
 
@@ -87,13 +87,13 @@ def looping_setup():
 @pytest.mark.parametrize("feed", ["all", "clp", "cost"])
 def test_verify_with_context_drafts_stays_exact(feed):
     model, prompt = looping_setup()
-    ar = [t for t, _ in decode(prompt, model, mode="ar", max_tokens=48)]
+    ar = [t for t, _ in decode_pairs(prompt, model, mode="ar", max_tokens=48)]
     heads = context_heads(model)
     with_ctx, without = DecodeStats("verify", 3), DecodeStats("verify", 3)
-    out = [t for t, _ in decode(prompt, model, heads, max_tokens=48, stats=with_ctx, feed=feed)]
+    out = [t for t, _ in decode_pairs(prompt, model, heads, max_tokens=48, stats=with_ctx, feed=feed)]
     assert out == ar
     kw = {"max_tokens": 48, "stats": without, "feed": feed, "lookup": False}
-    assert [t for t, _ in decode(prompt, model, heads, **kw)] == ar
+    assert [t for t, _ in decode_pairs(prompt, model, heads, **kw)] == ar
     # A small random model's greedy output loops, so copies pass where the
     # random heads never do.
     assert with_ctx.tokens_per_step > without.tokens_per_step
@@ -103,7 +103,7 @@ def test_clp_mode_commits_the_copied_drafts_clp_accepts():
     model, prompt = looping_setup()
     # No match: accept nothing; a match of n tokens: accept n drafts.
     heads = match_length_clp(context_heads(model), 10.0)
-    out = [t for t, _ in decode(prompt, model, heads, mode="clp", max_tokens=40, lookup=True)]
+    out = [t for t, _ in decode_pairs(prompt, model, heads, mode="clp", max_tokens=40, lookup=True)]
     # The same rule, step by step, recomputing the backbone from scratch.
     seq = list(prompt)
     while len(seq) < len(prompt) + 40:
@@ -113,7 +113,7 @@ def test_clp_mode_commits_the_copied_drafts_clp_accepts():
         seq += drafts[:n]
     assert out == seq[len(prompt) : len(prompt) + 40]
     assert out != [
-        t for t, _ in decode(prompt, model, heads, mode="clp", max_tokens=40, lookup=False)
+        t for t, _ in decode_pairs(prompt, model, heads, mode="clp", max_tokens=40, lookup=False)
     ]
 
 
@@ -121,20 +121,20 @@ def test_context_lets_a_prefilled_cache_copy_from_the_tokens_it_holds():
     model, prompt = looping_setup()
     heads = match_length_clp(context_heads(model), 10.0)
     kw = {"mode": "clp", "max_tokens": 30, "lookup": True}
-    fresh = [t for t, _ in decode(prompt, model, heads, **kw)]
+    fresh = [t for t, _ in decode_pairs(prompt, model, heads, **kw)]
     cache = make_prompt_cache(model)
     hidden_states(model, mx.array(prompt[:-1]), cache)
     tail = prompt[-1:]
-    with_context = decode(tail, model, heads, prompt_cache=cache, context=prompt[:-1], **kw)
+    with_context = decode_pairs(tail, model, heads, prompt_cache=cache, context=prompt[:-1], **kw)
     assert [t for t, _ in with_context] == fresh
     cache = make_prompt_cache(model)
     hidden_states(model, mx.array(prompt[:-1]), cache)
     # Without it, the drafter sees one token: the copies differ, so does the output.
-    assert [t for t, _ in decode(tail, model, heads, prompt_cache=cache, **kw)] != fresh
+    assert [t for t, _ in decode_pairs(tail, model, heads, prompt_cache=cache, **kw)] != fresh
 
 
 def test_bench_methods_with_and_without_context_drafts():
-    from clp_mlx.bench.methods import bench
+    from clp_mlx.bench.run import bench
 
     model, prompt = looping_setup()
     # Match of length n: CLP's most likely run is n (P = e^2 / (e^2 + 3) = 0.71).

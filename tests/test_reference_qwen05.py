@@ -19,7 +19,6 @@ import mlx.core as mx
 import numpy as np
 
 from clp_mlx.model.backbone import load_backbone
-from clp_mlx.decode.loop import decode
 from clp_mlx.errors import ClpError
 from clp_mlx.sources.resolve import resolve_model
 
@@ -53,7 +52,7 @@ def backbone():
 def test_greedy_tokens_match(backbone, prompt):
     model, _ = backbone
     ref = prompt["greedy"]
-    got = [t for t, _ in decode(prompt["ids"], model, None, mode="ar", max_tokens=len(ref))]
+    got = [t for t, _ in decode_pairs(prompt["ids"], model, None, mode="ar", max_tokens=len(ref))]
     if got != ref:
         k = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
         pytest.fail(f"first difference at step {k}: {got[k]} != {ref[k]} "

@@ -12,13 +12,13 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import random_heads, tiny_model
+from conftest import decode_pairs, random_heads, tiny_model
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from clp_mlx.decode import sampling
 from clp_mlx.model.backbone import hidden_states, project
-from clp_mlx.decode.loop import DecodeStats, decode
+from clp_mlx.decode.steps import DecodeStats
 from clp_mlx.errors import ClpError
 from clp_mlx.decode.sampling import Sampling, accept_drafts, draw, log_probs
 
@@ -82,7 +82,7 @@ def decode_samples(model, heads, mode, n, s=TEMP, stats=None):
     hidden_states(model, mx.array(PROMPT[:-1]), cache)
     out = []
     for seed in range(n):
-        gen = decode(
+        gen = decode_pairs(
             PROMPT[-1:],
             model,
             heads,
@@ -201,9 +201,9 @@ def test_top_k_one_is_greedy_in_every_mode(model):
     prompt = [5, 17, 99]
     one = Sampling(temp=1.5, top_k=1, seed=0)
     for mode in ("ar", "verify", "fixed", "clp"):
-        greedy = [t for t, _ in decode(prompt, model, heads, mode=mode, max_tokens=30)]
+        greedy = [t for t, _ in decode_pairs(prompt, model, heads, mode=mode, max_tokens=30)]
         sampled = [
-            t for t, _ in decode(prompt, model, heads, mode=mode, max_tokens=30, sampling=one)
+            t for t, _ in decode_pairs(prompt, model, heads, mode=mode, max_tokens=30, sampling=one)
         ]
         assert sampled == greedy, mode
 
@@ -215,7 +215,7 @@ def test_seed_fixes_the_tokens(small):
         def run(seed=None, mode=mode):
             s = Sampling(temp=1.0, seed=seed)
             return [
-                t for t, _ in decode([1, 2], model, heads, mode=mode, max_tokens=30, sampling=s)
+                t for t, _ in decode_pairs([1, 2], model, heads, mode=mode, max_tokens=30, sampling=s)
             ]
 
         assert run(7) == run(7)

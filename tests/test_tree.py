@@ -9,9 +9,9 @@ from test_decode import prompt_of, run, shift_model
 from test_lookup import context_heads, looping_setup
 
 from clp_mlx.native import padrows
-from clp_mlx.decode import tree
+from clp_mlx.decode import verify
 from clp_mlx.model.backbone import hidden_states, project
-from clp_mlx.decode.loop import DecodeStats, decode
+from clp_mlx.decode.steps import DecodeStats
 from clp_mlx.errors import ClpError
 from clp_mlx.decode.lookup import ContextDrafter
 from clp_mlx.decode.tree import Tree, keep_path, tree_hidden_states
@@ -114,14 +114,14 @@ def test_one_tree_branch_feeds_the_heads_drafts_as_a_chain(model):
     ar = run(prompt, model, mode="ar", max_tokens=30)
     heads = random_heads(model, 3, seed=2, scale=0.5, design="chain")
     fed = []
-    original = tree.verify_tree_step
+    original = verify.one_pass
 
-    def spy(model, heads, t, cache, width, *a):
-        fed.append((t.is_chain(), width))
-        return original(model, heads, t, cache, width, *a)
+    def spy(model, drafter, t, cache):
+        fed.append((t.is_chain(), drafter.width))
+        return original(model, drafter, t, cache)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("clp_mlx.decode.loop.verify_tree_step", spy)
+        mp.setattr(verify, "one_pass", spy)
         for branches in (5, 1):
             heads.config.tree_branches = branches
             fed.clear()
@@ -136,15 +136,15 @@ def test_trees_by_default_only_where_wide_passes_are_padded():
     heads = context_heads(model)
     ar = run(prompt, model, mode="ar", max_tokens=40)
     calls = []
-    original = tree.verify_tree_step
+    original = verify.one_pass
 
-    def spy(model, heads, fed, *a, **kw):
+    def spy(model, drafter, fed, *a, **kw):
         if not fed.is_chain():
             calls.append(len(fed))
-        return original(model, heads, fed, *a, **kw)
+        return original(model, drafter, fed, *a, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("clp_mlx.decode.loop.verify_tree_step", spy)
+        mp.setattr(verify, "one_pass", spy)
         assert run(prompt, model, heads, max_tokens=40, feed="all") == ar
         assert not calls
         padrows.pad_rows(model, force=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..api import _encode
+from ..model.tokens import encode
 from ..errors import ClpError
 
 CHAT_TEMPLATE_CHOICES = ("auto", "always", "never")
@@ -132,7 +132,7 @@ def encode_prompts(
     encoded = []
     for text in prompts:
         if kind == "wikitext":
-            ids = _encode(tokenizer, text)[:prompt_tokens]
+            ids = encode(tokenizer, text)[:prompt_tokens]
             if template:
                 text = tokenizer.decode(ids)
         if template:
@@ -142,7 +142,7 @@ def encode_prompts(
             )
             ids = tokenizer.encode(text, add_special_tokens=False)
         elif kind == "instruction":
-            ids = _encode(tokenizer, text)
+            ids = encode(tokenizer, text)
         if not ids:
             raise ClpError(f"the prompt {text[:40]!r} encodes to no tokens")
         encoded.append(list(ids))

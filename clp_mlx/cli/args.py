@@ -1,4 +1,5 @@
-"""What every command-line entry point shares: how errors reach the user."""
+"""What every command-line entry point shares: how errors reach the user, and the
+flags for a model and for decoding (one :class:`DecodeConfig` per command)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
+from ..decode.config import FEEDS, MODES, DecodeConfig
+from ..decode.sampling import Sampling
 from ..errors import ClpError
+from ..model.backbone import DTYPES
 
 
 def guarded(main: Callable[[], int | None]) -> int:
@@ -59,4 +63,94 @@ def add_model_output_args(
     )
     parser.add_argument(
         "--force", action="store_true", help="replace the output folder if it exists"
+    )
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --heads, --dtype: what every command that loads a model takes."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="named model, MLX/HF folder, .gguf file or Hub repo (default: qwen2.5-coder-0.5b-instruct)",
+    )
+    p.add_argument(
+        "--heads",
+        default=None,
+        help="heads folder, or 'init' for untrained heads (default: the heads shipped with the model, if any)",
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on CPU, float16 on GPU"
+    )
+
+
+def add_decode_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    """The options of :class:`DecodeConfig`, as flags (shared by generate and chat)."""
+    p.add_argument("--max-tokens", "-m", type=int, default=max_tokens)
+    p.add_argument("--mode", choices=MODES, default=None, help="default: verify with heads, ar without")
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="drafts per step (default: all the heads' k)"
+    )
+    p.add_argument(
+        "--verify-feed",
+        choices=FEEDS,
+        default="cost",
+        help="verify: feed the count of drafts with the most expected tokens per pass time "
+        "(cost, default; pass times measured once per setup), as many as CLP expects to be "
+        "accepted (clp), or every draft (all)",
+    )
+    p.add_argument(
+        "--context-drafts",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="copy drafts from the context where it has a match (auto: in verify, not in clp)",
+    )
+    p.add_argument(
+        "--clp-threshold",
+        type=float,
+        default=None,
+        help="clp: accept the longest n whose P(run >= n) reaches this (default: CLP's most "
+        "likely run, the paper's rule)",
+    )
+    p.add_argument(
+        "--tree",
+        type=int,
+        default=None,
+        help="verify: a step that feeds 2+ drafts feeds a token tree of up to this many "
+        "tokens, alternatives included (default: 16 where wide passes are padded, on "
+        "OpenBLAS; else 0, a chain)",
+    )
+    p.add_argument(
+        "--temp",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default: 0). verify mode samples exactly "
+        "from the backbone's distribution",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k likeliest tokens (default: 0, all)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed, for sampling and --heads init")
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    """The :class:`DecodeConfig` the flags ask for; bad values fail here, before a model loads."""
+    return DecodeConfig(
+        mode=args.mode,
+        max_tokens=args.max_tokens,
+        draft_len=args.num_draft_tokens,
+        feed=args.verify_feed,
+        context_drafts={"auto": None, "on": True, "off": False}[args.context_drafts],
+        tree=args.tree,
+        clp_threshold=args.clp_threshold,
+        sampling=Sampling(args.temp, args.top_p, args.top_k, args.seed),
+    )
+
+
+def load_model(args: argparse.Namespace):
+    """(model, tokenizer, heads) as --model, --heads, --dtype, --num-draft-tokens and --seed ask."""
+    from ..api import load
+
+    return load(
+        args.model, args.heads, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens, seed=args.seed
     )

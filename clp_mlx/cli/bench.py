@@ -35,15 +35,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..bench.methods import (
-    DEFAULT_MODES,
-    METHODS,
-    bench,
-    needs_heads,
-    parse_method,
-    peak_memory_source,
-    repetition_ratio,
-)
+from ..bench.measures import peak_memory_source, repetition_ratio
+from ..bench.methods import DEFAULT_MODES, METHODS, method_config, needs_heads
+from ..bench.run import bench
 from ..bench.prompts import (
     CHAT_TEMPLATE_CHOICES,
     encode_prompts,
@@ -51,8 +45,8 @@ from ..bench.prompts import (
     wikitext_prompts,
 )
 from ..bench.report import environment, markdown, plots, weights_dtype, write_json
-from .args import run
 from ..errors import ClpError
+from .args import run
 
 __all__ = ["bench", "main", "repetition_ratio", "settings", "wikitext_prompts"]
 
@@ -101,7 +95,7 @@ def settings(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     for method in args.modes:
-        parse_method(method)  # a clear error for an unknown one
+        method_config(method)  # a clear error for an unknown one
     args.modes = ["ar", *(m for m in dict.fromkeys(args.modes) if m != "ar")]
     for name, least in (("repeats", 1), ("max_tokens", 2), ("num_prompts", 1)):
         if getattr(args, name) < least:

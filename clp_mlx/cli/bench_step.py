@@ -20,16 +20,23 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from ..model import backbone
-from .args import run
-from ..decode.loop import check_argmax, greedy, unchecked_step
+from ..api import load
+from ..decode.config import DecodeConfig
+from ..decode.drafters import HeadsDrafter
 from ..decode.lookup import ContextDrafter
+from ..decode.sampling import Sampler, Sampling, greedy
+from ..decode.tree import Tree
+from ..decode.unchecked import unchecked_step
+from ..decode.verify import one_pass
+from ..model import backbone
 from ..native.padrows import ROWS
-from ..decode.tree import Tree, verify_tree_step
+from .args import run
 
 
 def _verify(model, heads, fed: Tree, cache):
-    return verify_tree_step(model, heads, fed, cache, 1, check_argmax)[0]
+    """A greedy verify step's graph: the pass, the check, the heads' chain and CLP."""
+    done = one_pass(model, HeadsDrafter(model, heads), fed, cache)
+    return [done.choices, done.accepted, done.drafts.scores, done.drafts.branches]
 
 
 def _tree(tokens: list, k: int) -> Tree:
@@ -57,8 +64,12 @@ def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
     def plain(tokens):
         return greedy(backbone.project(model, backbone.hidden_states(model, tokens, cache)))
 
+    clp = DecodeConfig(mode="clp").resolve(model, heads)
+    drafter, sampler = HeadsDrafter(model, heads), Sampler(Sampling())
+
     def clp_step(tokens):
-        return unchecked_step(model, heads, tokens, cache, "clp", k)[0]
+        b, d, n, got = unchecked_step(model, heads, drafter, tokens, cache, clp, sampler)
+        return [b, d, n, got.scores]
 
     def verify(tokens):
         return _verify(model, heads, Tree.chain(tokens.tolist()), cache)
@@ -148,8 +159,6 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dtype", choices=sorted(backbone.DTYPES), default=None)
     args = p.parse_args(argv)
-    from .generate import load
-
     model, tokenizer, heads = load(
         args.model, args.heads or "init", dtype=args.dtype, num_draft_tokens=args.num_draft_tokens
     )

@@ -23,16 +23,15 @@ import argparse
 import contextlib
 import signal
 import threading
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..model import backbone
 from ..api import Response, stream_generate
-from .args import run
-from ..decode.loop import MODES
+from ..decode.config import MODES, DecodeConfig
 from ..errors import ClpError
-from .generate import add_sampling_args, check_decode_args, load_from_args
+from .args import add_decode_args, add_model_args, decode_config, load_model, run
 
 HELP = f"""commands:
   q, /quit       leave (Ctrl-D too)
@@ -173,19 +172,16 @@ def ctrl_c_stops_the_answer():
         signal.signal(signal.SIGINT, previous)
 
 
-def mode_problem(mode: str, heads) -> str | None:
+def mode_problem(config: DecodeConfig, mode: str, model, heads) -> str | None:
     """Why ``mode`` cannot run with these heads, or None."""
-    if mode not in MODES:
-        return f"unknown mode {mode!r}; choose from {', '.join(MODES)}"
-    if mode != "ar" and heads is None:
-        return f"mode {mode!r} needs heads (start with --heads, or --heads init)"
-    part = {"gate": "gate", "prior-mtp": "head0"}.get(mode)
-    if part and part not in heads:
-        return f"these heads have no {part} for mode {mode!r}"
+    try:
+        replace(config, mode=mode).resolve(model, heads)
+    except ClpError as e:
+        return str(e)
     return None
 
 
-def answer(conv: Conversation, text: str, args, heads, mode: str, limit: int) -> None:
+def answer(conv: Conversation, text: str, config: DecodeConfig, heads, limit: int) -> None:
     """Stream one answer and print its statistics."""
     new = conv.begin_turn(text)
     room = limit - len(conv.tokens) - len(new)
@@ -198,20 +194,11 @@ def answer(conv: Conversation, text: str, args, heads, mode: str, limit: int) ->
     carried = len(conv.unfed)
     prompt = conv.unfed + new
     conv.tokens += new
-    max_tokens = min(args.max_tokens, room)
+    max_tokens = min(config.max_tokens, room)
     last, interrupted = None, False
+    turn = replace(config, max_tokens=max_tokens)
     stream = stream_generate(
-        conv.model,
-        conv.tokenizer,
-        prompt,
-        heads,
-        mode=mode,
-        max_tokens=max_tokens,
-        num_draft_tokens=args.num_draft_tokens,
-        prompt_cache=conv.cache,
-        temp=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
+        conv.model, conv.tokenizer, prompt, heads, config=turn, prompt_cache=conv.cache
     )
     with ctrl_c_stops_the_answer() as pressed, contextlib.closing(stream):
         try:
@@ -228,18 +215,14 @@ def answer(conv: Conversation, text: str, args, heads, mode: str, limit: int) ->
     if last is not None:
         conv.turns.append((len(new), carried, last))
         print(f"[{_turn_line(len(new), carried, last)} | context {len(conv.tokens)}/{limit}]")
-        if last.finish_reason == "length" and max_tokens < args.max_tokens:
+        if last.finish_reason == "length" and max_tokens < config.max_tokens:
             print("[the context is full: type r to start over]")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m clp_mlx.chat", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="as for clp_mlx.generate")
-    p.add_argument("--heads", default=None, help="heads folder, or 'init' for untrained heads")
-    p.add_argument("--mode", choices=MODES, default=None, help="default: verify with heads")
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="default: the heads' k")
-    p.add_argument("--max-tokens", "-m", type=int, default=256, help="most tokens per answer")
-    add_sampling_args(p)
+    add_model_args(p)
+    add_decode_args(p, max_tokens=256)
     p.add_argument("--system-prompt", default=None, help="system message of the conversation")
     p.add_argument(
         "--max-kv-size",
@@ -248,29 +231,26 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="most tokens a conversation may hold (default: the model's context length); "
         "old tokens are never dropped: when full, reset",
     )
-    p.add_argument("--dtype", choices=sorted(backbone.DTYPES), default=None)
     return p
 
 
 def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
-    check_decode_args(args)
+    # Each answer draws its sampling key from mx.random, seeded once here.
+    config = decode_config(args)
+    config = replace(config, sampling=replace(config.sampling, seed=None))
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise ClpError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
-    mx.random.seed(args.seed)  # each answer draws its sampling key from here
-    model, tokenizer, heads = load_from_args(args)
+    mx.random.seed(args.seed)
+    model, tokenizer, heads = load_model(args)
     if tokenizer.chat_template is None:
         raise ClpError("this model has no chat template; use clp_mlx.generate")
-    mode = args.mode or ("verify" if heads is not None else "ar")
-    if problem := mode_problem(mode, heads):
-        raise ClpError(problem)
-    if heads is not None and not 1 <= (args.num_draft_tokens or heads.k) <= heads.k:
-        raise ClpError(f"--num-draft-tokens must be in 1..{heads.k} for these heads")
+    config = replace(config, mode=config.resolve(model, heads).mode)
     limit = args.max_kv_size or model.args.max_position_embeddings
     conv = Conversation(model, tokenizer, args.system_prompt)
     sampling = f"temp {args.temp}, top-p {args.top_p}, top-k {args.top_k}"
     k = heads.k if heads is not None else 0
-    print(f"[mode {mode}, k={k} | {sampling if args.temp else 'greedy'} | context {limit}]")
+    print(f"[mode {config.mode}, k={k} | {sampling if args.temp else 'greedy'} | context {limit}]")
     print("[h for help, q or Ctrl-D to quit]")
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
@@ -294,11 +274,12 @@ def main(argv=None) -> int:
         elif line in ("s", "/stats"):
             print(conv.summary(limit))
         elif word == "/mode":
-            problem = mode_problem(rest.strip(), heads) if rest.strip() else None
-            mode = rest.strip() if rest.strip() and not problem else mode
-            print(f"[{problem or f'mode {mode}'}]")
+            mode = rest.strip() or config.mode
+            problem = mode_problem(config, mode, model, heads)
+            config = config if problem else replace(config, mode=mode)
+            print(f"[{problem or f'mode {config.mode}'}]")
         elif line:
-            answer(conv, line, args, heads, mode, limit)
+            answer(conv, line, config, heads, limit)
 
 
 def cli() -> None:

@@ -21,24 +21,31 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..native import blas as _blas
 from ..model.backbone import hidden_states, project, signature
+from ..native import status as native_status
 from ..native.padrows import is_padded
+from ..paths import cache_root, write_text
 
-_measured: dict[str, list[float]] = {}  # by setup, as on disk
+_measured: dict[str, list[float]] = {}  # by setup, as on disk; see forget_measured()
+
+
+def forget_measured() -> None:
+    """Forget the pass costs held in memory, as a new process would: the next
+    :func:`pass_costs` reads the file (or measures) again."""
+    _measured.clear()
 
 
 def _costs_file() -> Path:
-    from ..paths import cache_root
-
     return cache_root() / "pass_costs.json"
 
 
 def _setup_key(model) -> str:
     """What pass times depend on: the backbone's weights and shape, dtype, device, BLAS."""
     sig = signature(model)
-    blas = os.environ.get("CLP_MLX_BLAS") or ("openblas" if _blas.loaded else "default")
-    blas += "+few_rows" if _blas.few_rows else ""
+    native = native_status()
+    # CLP_MLX_BLAS names the setup even when it failed to load: keys on disk stay as they were.
+    blas = os.environ.get("CLP_MLX_BLAS") or ("openblas" if native.loaded else "default")
+    blas += "+few_rows" if native.few_rows else ""
     blas += "+pad16" if is_padded(model) else ""
     dtype = model.model.norm.weight.dtype
     return f"{sig['fingerprint']}|{sig['num_layers']}x{sig['hidden_size']}|{dtype}|{mx.default_device()}|{blas}"
@@ -52,12 +59,8 @@ def _read_costs() -> dict:
 
 
 def _write_costs(table: dict) -> None:
-    path = _costs_file()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
+        write_text(_costs_file(), json.dumps(table, indent=1))
     except OSError:
         pass  # a read-only cache only means measuring again next time
 

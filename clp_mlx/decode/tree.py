@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, trim_prompt_cache
 
-from ..model.backbone import hidden_states, project
+from ..model.backbone import hidden_states
 
 
 @dataclass
@@ -132,28 +132,6 @@ def tree_hidden_states(model, tree: Tree, cache) -> mx.array:
         for layer, c in zip(model.model.layers, cache):
             h = layer(h, mx.array(mask), c)
     return model.model.norm(h)[0]
-
-
-def verify_tree_step(model, heads, tree: Tree, cache, width: int, choose):
-    """One greedy verify step over a tree (or chain) whose root is token t.
-
-    Returns [b (n), accepted node, width x k head drafts, CLP's n], CLP's
-    scores (k+1,) and the hidden state at the accepted node, which drafts:
-    the heads' ``width`` best branches for the next step (none for 0).
-    """
-    h = tree_hidden_states(model, tree, cache)
-    b = choose(project(model, h))  # the backbone's choice after each node
-    tokens = mx.array(tree.tokens, dtype=b.dtype)
-    parents = mx.array([max(p, 0) for p in tree.parents])
-    wrong = (tokens != b[parents]).astype(mx.float32) * (mx.arange(len(tree)) > 0)
-    on_path = (mx.array(tree.ancestors(), dtype=mx.float32) @ wrong) == 0
-    # Siblings differ, so at most one node per depth is on the accepted path.
-    a = mx.argmax(mx.where(on_path, mx.array(tree.depths), -1))
-    d = heads.draft_branches(model, h[a][None], b[a][None], width).reshape(-1) if width else b[:0]
-    logits = heads.clp_logits(h[a])
-    n = mx.argmax(logits)
-    out = mx.concatenate([b, a[None].astype(b.dtype), d.astype(b.dtype), n[None].astype(b.dtype)])
-    return out, logits, h[a][None]
 
 
 def keep_path(cache, start: int, path: list[int], fed: int) -> None:

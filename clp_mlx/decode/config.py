@@ -1,0 +1,89 @@
+"""Every decode option in one place: :class:`DecodeConfig`, its defaults and checks.
+
+The API, each command and the benchmark build one ``DecodeConfig``;
+``__post_init__`` checks what needs no model (so a command fails before it
+loads one), and :meth:`DecodeConfig.resolve` fills the defaults that depend on
+the model and its heads and checks the rest. Nothing else in the package
+decides a decode default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..errors import ClpError
+from ..native import padrows
+from .sampling import Sampling
+
+MODES = ("ar", "clp", "fixed", "gate", "prior-mtp", "verify")
+FEEDS = ("all", "clp", "cost")  # how many drafts greedy verify feeds; see feed.py
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode. ``None`` fields are filled by :meth:`resolve`."""
+
+    # ar, the paper's clp / fixed / gate / prior-mtp, or lossless verify.
+    # None: verify when there are heads, else ar.
+    mode: str | None = None
+    max_tokens: int = 256
+    # Drafts per step, 1..k. None: all k the heads draft (the paper's horizon).
+    draft_len: int | None = None
+    # Greedy verify: feed the draft count with the most expected tokens per
+    # unit of pass time ("cost"), as many as CLP expects to pass ("clp"), or
+    # every draft ("all"). The output is the same; only the speed differs.
+    feed: str = "cost"
+    # Copy drafts from the context where it repeats (heads fitted for it,
+    # greedy). None: on in verify, off in clp, where one unchecked wrong copy
+    # can send the backbone into a loop.
+    context_drafts: bool | None = None
+    # Greedy verify: a step feeding 2+ drafts feeds a token tree of up to
+    # this many tokens; 0 feeds a chain. None: the padded width where wide
+    # passes are padded anyway (the extra rows cost nothing), else 0.
+    tree: int | None = None
+    # clp / prior-mtp: accept the longest run n with P(run >= n) >= this;
+    # None is the paper's rule, CLP's most likely run.
+    clp_threshold: float | None = None
+    gate_threshold: float = 0.5  # gate baseline: accept while sigmoid > this
+    sampling: Sampling = field(default_factory=Sampling)
+
+    def __post_init__(self):
+        if self.mode is not None and self.mode not in MODES:
+            raise ClpError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
+        if self.max_tokens < 1:
+            raise ClpError(f"max_tokens must be at least 1, got {self.max_tokens} (--max-tokens)")
+        if self.draft_len is not None and self.draft_len < 1:
+            raise ClpError(f"draft_len must be at least 1, got {self.draft_len} (--num-draft-tokens)")
+        if self.feed not in FEEDS:
+            raise ClpError(f"feed must be one of {', '.join(FEEDS)}, got {self.feed!r} (--verify-feed)")
+        if self.clp_threshold is not None and not 0 < self.clp_threshold <= 1:
+            raise ClpError(f"clp_threshold must be in (0, 1], got {self.clp_threshold} (--clp-threshold)")
+        if self.tree is not None and self.tree < 0:
+            raise ClpError(f"tree must be 0 (a chain) or a number of tokens, got {self.tree} (--tree)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.greedy
+
+    def resolve(self, model, heads) -> "DecodeConfig":
+        """A copy with every default filled for ``model`` and its ``heads``
+        (None for none), or ClpError saying what does not fit."""
+        mode = self.mode or ("verify" if heads is not None else "ar")
+        if mode == "ar":
+            return replace(self, mode=mode, context_drafts=False, tree=0)
+        if heads is None:
+            raise ClpError(f"mode {mode!r} needs heads (pass --heads, or --heads init)")
+        part = {"gate": "gate", "prior-mtp": "head0"}.get(mode)
+        if part and part not in heads:
+            raise ClpError(f"these heads have no {part} for mode {mode!r}")
+        n = heads.k if self.draft_len is None else self.draft_len
+        if not 1 <= n <= heads.k:
+            raise ClpError(f"draft_len must be in 1..{heads.k} for these heads, got {n} (--num-draft-tokens)")
+        wanted = self.context_drafts if self.context_drafts is not None else mode == "verify"
+        context = self.greedy and mode in ("clp", "verify") and bool(heads.config.lookup) and wanted
+        tree = self.tree
+        if tree is None:
+            tree = padrows.ROWS if padrows.is_padded(model) else 0
+        if not (self.greedy and mode == "verify"):
+            tree = 0
+        return replace(self, mode=mode, draft_len=n, context_drafts=context, tree=tree)

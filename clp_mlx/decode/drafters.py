@@ -1,0 +1,160 @@
+"""Where drafts come from: the :class:`Drafter` interface and its implementations.
+
+A strategy never asks which drafter it holds. Per step it
+
+1. adds the drafter's lazy work to the pass's graph at the position that
+   drafts (:meth:`Drafter.at`: CLP's scores, and drafts made in the pass);
+2. after the pass, tells it the committed tokens and reads CLP's scores
+   (:meth:`Drafter.observe`), from which it decides how many drafts to feed;
+3. asks for the drafts: one chain, or several candidates for a token tree
+   (:meth:`Drafter.candidates`, best first).
+
+Sampling strategies draw drafts inside the pass instead, with the
+distributions they were drawn from (:meth:`Drafter.draft`).
+
+Implementations: :class:`HeadsDrafter` (the MTP heads) and
+:class:`CopyThenHeads` (copies from the context where it has a match,
+:mod:`.lookup`, the heads elsewhere). A new drafter implements these methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from .lookup import ContextDrafter
+
+
+@dataclass
+class PassDrafts:
+    """The drafter's part of a pass, at the position that drafts (lazy until read)."""
+
+    h: mx.array  # (1, d) the backbone's hidden state there
+    scores: mx.array  # (k+1,) CLP's scores for accepting 0..k drafts
+    branches: mx.array | None  # (width, k) drafts made inside the pass, or None
+
+
+class Drafter(Protocol):
+    k: int  # the most drafts a proposal holds
+    in_pass: bool  # drafts are made inside the pass (else after it, on demand)
+
+    def at(self, h: mx.array, b: mx.array) -> PassDrafts:
+        """Lazy work for the pass's graph at hidden state ``h`` (1, d), whose
+        backbone token is ``b`` (1,)."""
+
+    def extend(self, tokens: list[int]) -> None:
+        """Tokens committed to the output (without :meth:`observe`)."""
+
+    def observe(self, committed: list[int], got: PassDrafts) -> list[float]:
+        """After a pass: ``committed`` (ending with the backbone's token) were
+        committed; CLP's scores for the next drafts."""
+
+    def can_branch(self) -> bool:
+        """Whether :meth:`candidates` can offer more than one candidate now."""
+
+    def candidates(self, depth: int, count: int) -> list[list[int]]:
+        """Up to ``count`` draft sequences of up to ``depth`` tokens, best first."""
+
+    def draft(self, h: mx.array, b: mx.array, sampler=None):
+        """Drafts (rows, k) drawn inside the pass, and their logits (rows, k, V)
+        when ``sampler`` draws them (None: greedy, logits None)."""
+
+
+class HeadsDrafter:
+    """The MTP heads: drafts from the backbone's hidden state and token t+1.
+
+    ``width``: head 1's best tokens offered as branches of a tree (1: a
+    chain). ``in_pass``: draft inside the pass's graph (no extra round trip),
+    or only after it, on demand (when another source may make it needless).
+    """
+
+    def __init__(self, model, heads, width: int = 1, in_pass: bool = True):
+        self.model, self.heads, self.k = model, heads, heads.k
+        self.width, self.in_pass = width, in_pass
+        self._got, self._b = None, None
+
+    def at(self, h, b) -> PassDrafts:
+        branches = None
+        if self.in_pass:
+            branches = self.heads.draft_branches(self.model, h, b, self.width)
+        return PassDrafts(h, self.heads.clp_logits(h[0]), branches)
+
+    def extend(self, tokens) -> None:
+        pass  # the heads see only the hidden state and token t+1
+
+    def observe(self, committed, got: PassDrafts) -> list[float]:
+        self._got, self._b = got, committed[-1]
+        return got.scores.tolist()
+
+    def can_branch(self) -> bool:
+        return self.width > 1
+
+    def candidates(self, depth: int, count: int) -> list[list[int]]:
+        branches = self._got.branches
+        if branches is None:  # drafted now, after the pass
+            b = mx.array([self._b], dtype=mx.uint32)
+            branches = self.heads.draft_branches(self.model, self._got.h, b, min(count, self.width))
+        return [branch[:depth] for branch in branches.tolist()[:count]]
+
+    def draft(self, h, b, sampler=None):
+        # Greedy drafts go through the draft vocabulary (a slice of the output
+        # projection); sampled ones need the full distribution q.
+        return self.heads.draft(self.model, h, b, sampler)
+
+
+class CopyThenHeads:
+    """Context drafts where the context has a match, the heads elsewhere.
+
+    The heads run only when there is no copy: after the pass, on the hidden
+    state it kept, so a step that copies (most, on repetitive text) skips
+    their cost. CLP gets one row of scores per match length, so it trusts
+    copies and heads differently.
+    """
+
+    in_pass = False  # copies need the committed tokens: drafts come after the pass
+
+    def __init__(self, heads: HeadsDrafter, tokens: list[int]):
+        self.heads, self.k = heads, heads.k
+        bundle = heads.heads
+        self.copies = ContextDrafter(tokens, bundle.config.lookup)
+        rows = bundle.clp_context.tolist()  # CLP's scores per match length
+        # The pass's scores hold row 0 (the heads' drafts) already.
+        self.rows = [[x - x0 for x, x0 in zip(row, rows[0])] for row in rows]
+        self._copied = None
+
+    def at(self, h, b) -> PassDrafts:
+        return self.heads.at(h, b)
+
+    def extend(self, tokens) -> None:
+        self.copies.extend(tokens)
+
+    def observe(self, committed, got: PassDrafts) -> list[float]:
+        scores = self.heads.observe(committed, got)
+        self.copies.extend(committed)
+        copied, match = self.copies.propose(self.k)
+        self._copied = copied if match else None
+        return [s + r for s, r in zip(scores, self.rows[match])]
+
+    def can_branch(self) -> bool:
+        return bool(self._copied) or self.heads.can_branch()
+
+    def candidates(self, depth: int, count: int) -> list[list[int]]:
+        if self._copied is None:
+            return self.heads.candidates(depth, count)
+        if count == 1:
+            return [self._copied[:depth]]
+        return self.copies.candidates(depth, count)
+
+    def draft(self, h, b, sampler=None):
+        return self.heads.draft(h, b, sampler)
+
+
+def make_drafter(model, heads, config, tokens: list[int], width: int = 1) -> Drafter | None:
+    """The drafter a resolved ``config`` asks for; ``tokens``: the context so far."""
+    if config.mode == "ar":
+        return None
+    if config.context_drafts:
+        return CopyThenHeads(HeadsDrafter(model, heads, width, in_pass=False), tokens)
+    return HeadsDrafter(model, heads, width)
