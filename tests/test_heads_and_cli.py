@@ -7,9 +7,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import random_heads, tiny_model, write_model_folder
+from conftest import decode_pairs, random_heads, tiny_model, write_model_folder
 
-from clp_mlx.decode.loop import decode
 from clp_mlx.errors import ClpError
 from clp_mlx.cli.generate import main
 from clp_mlx.model.heads import init_heads, load_heads, save_heads
@@ -18,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def drafts(model, heads, prompt=(1, 2, 3)):
-    return [t for t, _ in decode(list(prompt), model, heads, mode="fixed", max_tokens=20)]
+    return [t for t, _ in decode_pairs(list(prompt), model, heads, mode="fixed", max_tokens=20)]
 
 
 def test_saved_heads_load_and_draft_the_same(tmp_path, model):
@@ -154,15 +153,8 @@ def test_chained_heads_draft_in_turn(model):
 
 
 def test_packaging_heads_halves_them_and_keeps_the_report(model, tmp_path):
-    import importlib.util
-
     from clp_mlx.model.heads import load_heads, save_heads
-
-    spec = importlib.util.spec_from_file_location(
-        "heads_to_package", Path(__file__).parents[1] / "convert" / "heads_to_package.py"
-    )
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from clp_mlx.sources import packaging as tool
     heads = random_heads(model, 2, seed=3, scale=0.5, design="chain")
     src = save_heads(heads, tmp_path / "trained")
     with pytest.raises(ClpError, match="training.json"):
@@ -186,3 +178,24 @@ def test_packaging_heads_halves_them_and_keeps_the_report(model, tmp_path):
     loaded = load_heads(dest, model)  # back in the backbone's dtype
     assert loaded.heads[0].fuse.weight.dtype == model.model.norm.weight.dtype
     assert mx.allclose(loaded.heads[1].fuse.weight, heads.heads[1].fuse.weight, atol=1e-2).item()
+
+
+def test_packaging_script_runs_the_convert_subcommand(model, tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from clp_mlx.sources import packaging
+
+    spec = importlib.util.spec_from_file_location(
+        "heads_to_package", REPO / "convert" / "heads_to_package.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setattr(packaging, "SHIPPED", tmp_path / "shipped")
+    src = save_heads(random_heads(model, 2, seed=3, design="chain"), tmp_path / "trained")
+    assert tool.main([str(src), "qwen2.5-coder-0.5b-instruct"]) == 1
+    assert capsys.readouterr().err.startswith("error: ") and not (tmp_path / "shipped").exists()
+    (src / "training.json").write_text("{}")
+    assert tool.main([str(src), "qwen2.5-coder-0.5b-instruct"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    dest = tmp_path / "shipped" / "qwen2.5-coder-0.5b-instruct"
+    assert printed["shipped"] == str(dest) and printed["k"] == 2 and printed["design"] == "chain"

@@ -5,7 +5,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_model, write_model_folder
+from conftest import decode_pairs, tiny_model, write_model_folder
 
 from clp_mlx.errors import ClpError
 from clp_mlx.cli.train import main
@@ -54,7 +54,7 @@ def args(root, folder, text, out, steps=40, extra=()):
 
 
 def test_held_out_rows_are_whole_prompts_never_trained_on():
-    from clp_mlx.cli.train import split_rows
+    from clp_mlx.train.data import split_rows
 
     train, held = split_rows(50, seed=0)
     assert len(held) == 5 and not set(train) & set(held)
@@ -111,7 +111,7 @@ def test_eval_reports_heads_alone_and_with_context_drafts(setup, capsys):
 
 
 def test_eval_walks_whole_rows_up_to_its_bound(setup, capsys, monkeypatch):
-    import clp_mlx.cli.train as train
+    import clp_mlx.train.evaluate as train
 
     root, folder, text = setup
     if not (root / "heads").exists():
@@ -164,7 +164,6 @@ def test_bad_training_input(setup, tmp_path):
 
 
 def test_greedy_continuations_are_what_plain_decoding_writes(tmp_path):
-    from clp_mlx.decode.loop import decode
     from clp_mlx.train.features import continue_greedily, load_features
 
     model = tiny_model(1, vocab=128)
@@ -174,7 +173,7 @@ def test_greedy_continuations_are_what_plain_decoding_writes(tmp_path):
     assert tokens.shape == greedy_ids.shape == (5, 15) and hidden.shape[:2] == (5, 15)
     assert start == 5
     for row, prompt in zip(tokens, prompts):
-        ar = [t for t, _ in decode(mx.array(prompt), model, None, max_tokens=9, mode="ar")]
+        ar = [t for t, _ in decode_pairs(mx.array(prompt), model, None, max_tokens=9, mode="ar")]
         assert row[:6].tolist() == prompt.tolist() and row[6:].tolist() == ar
     # from the end of the prompt on, the label at t is the text's token t+1
     assert (greedy_ids[:, start:-1] == tokens[:, start + 1 :]).all()

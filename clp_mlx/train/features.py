@@ -11,15 +11,15 @@ chunks already on disk: an interrupted extraction resumes where it stopped.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ..model import backbone
-from ..decode.loop import greedy
+from ..decode.sampling import greedy
 from ..errors import ClpError
+from ..paths import atomic_file, write_text
 
 CHUNK_SEQS = 8  # sequences per file: small enough to lose little on an interrupt
 
@@ -128,8 +128,8 @@ def continue_greedily(
         mx.eval(h, g)
         g = np.array(g.astype(mx.int32))
         tokens[start : start + batch, p_len:] = g[:, p_len - 1 : -1]
-        np.save(folder / "tokens.tmp.npy", tokens)  # before the chunk: a chunk on disk
-        os.replace(folder / "tokens.tmp.npy", tokens_path)  # always has its tokens
+        with atomic_file(tokens_path) as tmp, open(tmp, "wb") as f:
+            np.save(f, tokens)  # before the chunk: a chunk on disk always has its tokens
         _save_chunk(target, np.array(h.astype(mx.float16)), g)
     return folder
 
@@ -140,13 +140,12 @@ def _check_meta(folder: Path, meta: dict) -> None:
         raise ClpError(
             f"{folder} holds features of other text or another backbone; use a new folder"
         )
-    meta_path.write_text(json.dumps(meta))
+    write_text(meta_path, json.dumps(meta))
 
 
 def _save_chunk(target: Path, hidden: np.ndarray, greedy_ids: np.ndarray) -> None:
-    tmp = target.with_suffix(".tmp.npz")
-    np.savez(tmp, hidden=hidden, greedy=greedy_ids)
-    os.replace(tmp, target)
+    with atomic_file(target) as tmp, open(tmp, "wb") as f:
+        np.savez(f, hidden=hidden, greedy=greedy_ids)  # a file: a name would gain ".npz"
 
 
 def load_features(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -156,8 +155,8 @@ def load_features(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, int
     if not meta_path.exists():
         raise ClpError(f"{folder} holds no features (features.json is missing)")
     tokens = np.load(folder / "tokens.npy")
-    files = sorted(folder.glob("chunk*.npz"))
-    parts = [np.load(f) for f in files if not f.name.endswith(".tmp.npz")]
+    files = sorted(folder.glob("chunk*.npz"))  # partial chunks are hidden (".chunk...")
+    parts = [np.load(f) for f in files if not f.name.endswith(".tmp.npz")]  # older versions'
     if sum(p["greedy"].shape[0] for p in parts) < tokens.shape[0]:
         raise ClpError(f"{folder}: feature extraction is incomplete; run it again to resume")
     hidden = np.concatenate([p["hidden"] for p in parts])

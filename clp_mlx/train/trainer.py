@@ -1,6 +1,6 @@
 """Training MTP heads, then CLP, the gate and head 0, on a frozen backbone.
 
-Heads learn from cached backbone features (see :mod:`clp_mlx.features`):
+Heads learn from cached backbone features (see :mod:`clp_mlx.train.features`):
 head i maps h_t to a hidden vector that should (a) project to the backbone's
 own greedy token b_{t+i} (cross-entropy over a reduced draft vocabulary, the
 most frequent backbone predictions: FR-Spec's trick, since a full-vocabulary
@@ -15,7 +15,6 @@ as an uninterrupted one.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model import backbone
 from ..model.heads import MTPBundle
+from ..paths import atomic_file, write_text
 
 
 @dataclass
@@ -137,12 +137,10 @@ class HeadTrainer:
         folder.mkdir(parents=True, exist_ok=True)
         arrays = dict(tree_flatten(self.bundle.parameters(), prefix=".model"))
         arrays.update(tree_flatten(self.opt.state, prefix=".opt"))
-        tmp = folder / "state.tmp.safetensors"
-        mx.save_safetensors(str(tmp), arrays)
-        os.replace(tmp, folder / "state.safetensors")
+        with atomic_file(folder / "state.safetensors") as tmp, open(tmp, "wb") as f:
+            mx.save_safetensors(f, arrays)  # a file, not a name: MLX would add ".safetensors"
         meta = {"step": self.step, "config": asdict(self.cfg)}
-        (folder / "state.tmp.json").write_text(json.dumps(meta))
-        os.replace(folder / "state.tmp.json", folder / "state.json")
+        write_text(folder / "state.json", json.dumps(meta))
 
     def restore(self, folder: Path) -> bool:
         meta_path = folder / "state.json"
