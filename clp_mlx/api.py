@@ -19,7 +19,8 @@ from .decode.loop import decode
 from .decode.steps import DecodeStats, tokens_of
 from .errors import ClpError
 from .model.tokens import encode
-from .model.heads import MTPBundle, init_heads, load_heads
+from .model.heads import MTPBundle
+from .model.heads_files import init_heads, load_heads
 from .decode.sampling import Sampling
 
 DEFAULT_K = 3  # drafts per step for --heads init; trained heads record their own

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import qwen2
 
-from clp_mlx.model.heads import init_heads
+from clp_mlx.model.heads_files import init_heads
 
 
 def tiny_model(

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from clp_mlx.cli import chat
 from clp_mlx.model.backbone import hidden_states, load_backbone, project
-from clp_mlx.model.heads import init_heads
+from clp_mlx.model.heads_files import init_heads
 
 REPO = Path(__file__).resolve().parents[1]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -13,7 +13,8 @@ from clp_mlx.model.backbone import hidden_states, project
 from clp_mlx.decode.steps import DecodeStats
 from clp_mlx.errors import ClpError
 from clp_mlx.api import stream_generate
-from clp_mlx.model.heads import MTPBundle, init_heads
+from clp_mlx.model.heads import MTPBundle
+from clp_mlx.model.heads_files import init_heads
 
 
 def run(prompt, model, heads=None, **kw):

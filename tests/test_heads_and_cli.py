@@ -11,7 +11,7 @@ from conftest import decode_pairs, random_heads, tiny_model, write_model_folder
 
 from clp_mlx.errors import ClpError
 from clp_mlx.cli.generate import main
-from clp_mlx.model.heads import init_heads, load_heads, save_heads
+from clp_mlx.model.heads_files import init_heads, load_heads, save_heads
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,7 @@ def test_chained_heads_draft_in_turn(model):
 
 
 def test_packaging_heads_halves_them_and_keeps_the_report(model, tmp_path):
-    from clp_mlx.model.heads import load_heads, save_heads
+    from clp_mlx.model.heads_files import load_heads, save_heads
     from clp_mlx.sources import packaging as tool
     heads = random_heads(model, 2, seed=3, scale=0.5, design="chain")
     src = save_heads(heads, tmp_path / "trained")

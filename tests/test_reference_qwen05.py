@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import decode_pairs
 
 import clp_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 

@@ -17,7 +17,7 @@ from mlx_lm.utils import save_config, save_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from clp_mlx.errors import ClpError
-from clp_mlx.model.heads import load_heads
+from clp_mlx.model.heads_files import load_heads
 from clp_mlx.sources.torch_heads import backbone_output_projection, load_head_state, map_torch_head_keys
 from clp_mlx.sources.torch_zip import save_torch_file
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import resource
 import sys
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
+
+if TYPE_CHECKING:
+    from .methods import Start
 
 
 def continuation_nll(model, prompt: list, generated: list, start: Start | None = None) -> float:

@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Callable
 
-from ..model.heads import read_config
+from ..model.heads_files import read_config
 from ..sources import gguf, hf
 from ..sources.packaging import package_heads
 from ..sources.torch_heads import convert_torch_heads

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ..api import load
 from ..errors import ClpError
-from ..model.heads import DESIGNS, load_heads
+from ..model.heads import DESIGNS
+from ..model.heads_files import load_heads
 from ..train.data import FeatureSource, features_for
 from ..train.evaluate import evaluate
 from ..train.fit import DecisionConfig, train

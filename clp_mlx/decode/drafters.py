@@ -40,9 +40,12 @@ class Drafter(Protocol):
     k: int  # the most drafts a proposal holds
     in_pass: bool  # drafts are made inside the pass (else after it, on demand)
 
-    def at(self, h: mx.array, b: mx.array) -> PassDrafts:
-        """Lazy work for the pass's graph at hidden state ``h`` (1, d), whose
-        backbone token is ``b`` (1,)."""
+    def at(self, hidden: mx.array, choices: mx.array, accepted: mx.array) -> PassDrafts:
+        """Lazy work for the pass's graph. ``hidden`` (n, d): the backbone's
+        hidden states at the n fed tokens; ``choices`` (n,): its token after
+        each; ``accepted`` (): the fed token the accepted path ends at, where
+        the next drafts start (a drafter with its own cache extends it with
+        the accepted path's states)."""
 
     def extend(self, tokens: list[int]) -> None:
         """Tokens committed to the output (without :meth:`observe`)."""
@@ -75,7 +78,8 @@ class HeadsDrafter:
         self.width, self.in_pass = width, in_pass
         self._got, self._b = None, None
 
-    def at(self, h, b) -> PassDrafts:
+    def at(self, hidden, choices, accepted) -> PassDrafts:
+        h, b = hidden[accepted][None], choices[accepted][None]
         branches = None
         if self.in_pass:
             branches = self.heads.draft_branches(self.model, h, b, self.width)
@@ -124,8 +128,8 @@ class CopyThenHeads:
         self.rows = [[x - x0 for x, x0 in zip(row, rows[0])] for row in rows]
         self._copied = None
 
-    def at(self, h, b) -> PassDrafts:
-        return self.heads.at(h, b)
+    def at(self, hidden, choices, accepted) -> PassDrafts:
+        return self.heads.at(hidden, choices, accepted)
 
     def extend(self, tokens) -> None:
         self.copies.extend(tokens)

@@ -62,7 +62,7 @@ def one_pass(model, drafter, fed: Tree, cache) -> Pass:
     h = tree_hidden_states(model, fed, cache)
     choices = check_argmax(project(model, h))
     a = check(fed, choices)
-    got = drafter.at(h[a][None], choices[a][None])
+    got = drafter.at(h, choices, a)
     arrays = [choices, a, got.h, got.scores] + ([] if got.branches is None else [got.branches])
     mx.async_eval(*arrays)
     return Pass(fed, start, choices, a, got)

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import ClpError
-from ..model.heads import read_config
+from ..model.heads_files import read_config
 from ..paths import atomic_folder
 from .resolve import NAMED_MODELS
 

@@ -251,7 +251,7 @@ def convert_torch_heads(
     drop_head_projections: bool = False,
 ) -> Path:
     """Convert a PyTorch head checkpoint for the MLX model in ``model_dir``; return ``out_dir``."""
-    from clp_mlx.model.heads import bundle_from_arrays, save_heads
+    from clp_mlx.model.heads_files import bundle_from_arrays, save_heads
 
     out, model_dir = Path(out_dir), Path(model_dir)
     if out.exists() and not force:

@@ -20,7 +20,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from ..model.heads import init_heads, save_heads
+from ..model.heads_files import init_heads, save_heads
 from ..paths import write_text
 from .data import FeatureSource, features_for
 from .evaluate import SMALL_SAMPLE, sampled_drafts, scores
