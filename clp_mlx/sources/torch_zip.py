@@ -3,13 +3,9 @@
 Since PyTorch 1.6, ``torch.save`` writes a zip: ``<archive>/data.pkl`` (a
 protocol-2 pickle of the object), ``<archive>/data/<key>`` (raw bytes of each
 storage), ``byteorder`` ("little"/"big"; absent in old files: little) and
-``version``.  In the pickle every tensor is a call such as
-``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`` and every
-storage a *persistent id* ``("storage", torch.FloatStorage, key, location, numel)``.
-``torch.load`` resolves those names by importing them, which lets a crafted file
-call anything (``os.system``...).  :class:`_SafeUnpickler` answers only an
-allow-list of names, with local stand-ins that build numpy arrays; any other
-name raises :class:`ClpError`.
+``version``.  This module handles the zip; the pickle is read by the
+allow-list unpickler of :mod:`clp_mlx.sources.torch_unpickle`, which never
+imports what the file names.
 
 :func:`load_torch_file` returns a flat ``{dotted.key: numpy array}`` dict:
 nested dicts and lists are flattened with ``.`` (``{"state_dict": {"w": t}}`` ->
@@ -36,185 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from clp_mlx.errors import ClpError
-
-# Legacy storage class name -> numpy dtype.  "bf16" is kept as raw uint16 until the
-# tensor is built, then widened to float32.
-_STORAGE_DTYPES: dict[str, Any] = {
-    "DoubleStorage": np.float64,
-    "FloatStorage": np.float32,
-    "HalfStorage": np.float16,
-    "BFloat16Storage": "bf16",
-    "LongStorage": np.int64,
-    "IntStorage": np.int32,
-    "ShortStorage": np.int16,
-    "CharStorage": np.int8,
-    "ByteStorage": np.uint8,
-    "BoolStorage": np.bool_,
-    "UntypedStorage": np.uint8,
-}
-# numpy dtype -> storage class name, for writing.
-_DTYPE_STORAGES = {
-    np.dtype(v): k
-    for k, v in _STORAGE_DTYPES.items()
-    if k not in ("BFloat16Storage", "UntypedStorage")
-}
-
-
-class _Sealed:
-    """Base of the objects the unpickler hands out: the pickle's BUILD opcode
-    (``__setstate__``) must not be able to change them."""
-
-    __slots__ = ()
-
-    def __setstate__(self, state: Any) -> None:
-        raise pickle.UnpicklingError(f"a {type(self).__name__} cannot take pickled state")
-
-
-class _StorageType(_Sealed):
-    """Stand-in for ``torch.FloatStorage`` and friends: only carries the name."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-class _Storage(_Sealed):
-    """One storage blob as a 1-D numpy array (uint16 bits for bfloat16)."""
-
-    __slots__ = ("bf16", "data")
-
-    def __init__(self, data: np.ndarray, bf16: bool) -> None:
-        self.data, self.bf16 = data, bf16
-
-
-class _Tensor(_Sealed):
-    """A rebuilt tensor; unwrapped to numpy only after unpickling is over."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
-
-
-def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_ignored: Any) -> _Tensor:
-    """``_rebuild_tensor`` and ``_rebuild_tensor_v2`` (whose extra arguments,
-    requires_grad, hooks and metadata, mean nothing to an array)."""
-    if not isinstance(storage, _Storage):
-        raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
-    offset, size, stride = int(offset), tuple(map(int, size)), tuple(map(int, stride))
-    if len(size) != len(stride) or offset < 0 or min(size + stride, default=0) < 0:
-        raise pickle.UnpicklingError(f"bad tensor geometry size={size} stride={stride}")
-    data = storage.data
-    if 0 in size:
-        view = np.zeros(size, data.dtype)
-    else:
-        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
-        if last >= data.size:
-            raise pickle.UnpicklingError(
-                f"tensor of size {size} at offset {offset} overruns its storage "
-                f"of {data.size} elements"
-            )
-        strides = tuple(s * data.itemsize for s in stride)
-        view = np.lib.stride_tricks.as_strided(data[offset:], size, strides)
-        # Copy views into part of a storage so no two results alias unexpectedly.
-        covers_all = offset == 0 and view.size == data.size and view.flags.c_contiguous
-        view = view if covers_all else np.array(view)
-    view = view.astype(view.dtype.newbyteorder("="), copy=False)
-    if storage.bf16:  # bfloat16 is the top half of a float32
-        view = (view.astype(np.uint32) << 16).view(np.float32)
-    return _Tensor(view)
-
-
-def _rebuild_parameter(data: Any, *_ignored: Any) -> _Tensor:
-    """``_rebuild_parameter[_with_state]``: a Parameter is just its tensor here."""
-    if not isinstance(data, _Tensor):
-        raise pickle.UnpicklingError("parameter rebuilt from something that is not a tensor")
-    return data
-
-
-# (module, name) -> what the unpickler gets instead.  Nothing else is importable.
-_ALLOWED: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("torch", "Size"): tuple,
-    **{("torch", n): _StorageType(n) for n in _STORAGE_DTYPES},
-}
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Unpickler that resolves only :data:`_ALLOWED` and reads storages from the zip."""
-
-    def __init__(
-        self, data: bytes, zf: zipfile.ZipFile, prefix: str, little: bool, path: str
-    ) -> None:
-        super().__init__(io.BytesIO(data))
-        self._zf, self._prefix, self._little, self._path = zf, prefix, little, path
-        self._storages: dict[str, _Storage] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _ALLOWED[(module, name)]
-        except KeyError:
-            raise ClpError(
-                f"{self._path}: refusing to load: the file asks for '{module}.{name}', "
-                "which is not a tensor-rebuild function (torch.load would run it)"
-            ) from None
-
-    def persistent_load(self, pid: Any) -> _Storage:
-        if not (
-            isinstance(pid, tuple)
-            and len(pid) == 5
-            and pid[0] == "storage"
-            and isinstance(pid[1], _StorageType)
-        ):
-            raise pickle.UnpicklingError(f"unsupported persistent id {pid!r:.80}")
-        stype, key, numel = pid[1], str(pid[2]), int(pid[4])
-        if key not in self._storages:
-            self._storages[key] = self._read_storage(key, stype.name)
-        storage = self._storages[key]
-        if numel > storage.data.size:
-            raise pickle.UnpicklingError(f"storage {key} is shorter than its {numel} elements")
-        return storage
-
-    def _read_storage(self, key: str, type_name: str) -> _Storage:
-        kind = _STORAGE_DTYPES[type_name]
-        dtype = np.dtype(np.uint16 if kind == "bf16" else kind)
-        dtype = dtype.newbyteorder("<" if self._little else ">")
-        try:
-            info = self._zf.getinfo(f"{self._prefix}data/{key}")
-        except KeyError:
-            raise pickle.UnpicklingError(f"storage blob data/{key} is missing") from None
-        if info.file_size % dtype.itemsize:
-            raise pickle.UnpicklingError(f"storage blob data/{key} has a partial element")
-        data = np.empty(info.file_size // dtype.itemsize, dtype)
-        buf, done = memoryview(data).cast("B"), 0
-        with self._zf.open(info) as f:  # straight into the array: one copy, writable
-            while done < len(buf):
-                n = f.readinto(buf[done:])
-                if not n:
-                    raise pickle.UnpicklingError(f"storage blob data/{key} is truncated")
-                done += n
-        return _Storage(data, kind == "bf16")
-
-
-def _flatten(obj: Any, prefix: str, out: dict[str, np.ndarray]) -> None:
-    if isinstance(obj, _Tensor):
-        if prefix in out:
-            raise ClpError(f"two tensors flatten to the same key '{prefix}'")
-        out[prefix] = obj.array
-        return
-    if isinstance(obj, dict):
-        items: Any = obj.items()
-    elif isinstance(obj, (list, tuple)):
-        items = enumerate(obj)
-    else:
-        return  # ints, strings, None...: not tensors, dropped
-    for k, v in items:
-        _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+from clp_mlx.sources.torch_unpickle import STORAGE_DTYPES, SafeUnpickler, flatten_tensors
 
 
 def load_torch_file(path: str | Path) -> dict[str, np.ndarray]:
@@ -249,7 +67,7 @@ def load_torch_file(path: str | Path) -> dict[str, np.ndarray]:
             order = zf.read(f"{prefix}byteorder") if f"{prefix}byteorder" in names else b"little"
             if order not in (b"little", b"big"):
                 raise ClpError(f"{path}: unknown byte order {order[:20]!r}")
-            unpickler = _SafeUnpickler(zf.read(pkls[0]), zf, prefix, order == b"little", str(path))
+            unpickler = SafeUnpickler(zf.read(pkls[0]), zf, prefix, order == b"little", str(path))
             obj = unpickler.load()
     except ClpError:
         raise
@@ -257,9 +75,17 @@ def load_torch_file(path: str | Path) -> dict[str, np.ndarray]:
         raise ClpError(f"{path}: corrupt or truncated PyTorch checkpoint ({e})") from e
     if not isinstance(obj, dict):
         raise ClpError(f"{path}: expected a dict of tensors, found {type(obj).__name__}")
-    out: dict[str, np.ndarray] = {}
-    _flatten(obj, "", out)
-    return out
+    return flatten_tensors(obj)
+
+
+# -- writing: the same format from numpy arrays, without torch ---------------------
+
+# numpy dtype -> storage class name (bfloat16 is written from float arrays on request).
+_DTYPE_STORAGES = {
+    np.dtype(v): k
+    for k, v in STORAGE_DTYPES.items()
+    if k not in ("BFloat16Storage", "UntypedStorage")
+}
 
 
 class _Global:
