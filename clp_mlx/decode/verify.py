@@ -43,6 +43,13 @@ class Pass:
     accepted: mx.array  # () the deepest node of the accepted path
     drafts: PassDrafts  # the drafter's part, at the accepted node
 
+    def queue(self) -> "Pass":
+        """Start evaluating the graph; the host goes on (as mlx-lm queues its next step)."""
+        got = self.drafts
+        branches = [] if got.branches is None else [got.branches]
+        mx.async_eval(self.choices, self.accepted, got.h, got.scores, *branches)
+        return self
+
 
 def check(tree: Tree, choices: mx.array) -> mx.array:
     """The acceptance rule: the deepest node whose every ancestor's choice is
@@ -57,15 +64,12 @@ def check(tree: Tree, choices: mx.array) -> mx.array:
 
 def one_pass(model, drafter, fed: Tree, cache) -> Pass:
     """Feed ``fed`` through the backbone, check it, and let the drafter work
-    at the accepted node: one lazy graph, queued."""
+    at the accepted node: one lazy graph (see :meth:`Pass.queue`)."""
     start = cache[0].offset
     h = tree_hidden_states(model, fed, cache)
     choices = check_argmax(project(model, h))
     a = check(fed, choices)
-    got = drafter.at(h, choices, a)
-    arrays = [choices, a, got.h, got.scores] + ([] if got.branches is None else [got.branches])
-    mx.async_eval(*arrays)
-    return Pass(fed, start, choices, a, got)
+    return Pass(fed, start, choices, a, drafter.at(h, choices, a))
 
 
 def commit(done: Pass, cache) -> tuple[list[int], list[int]]:
@@ -106,7 +110,7 @@ def verify(model, drafter, first, cache, config, tree_size: int) -> Iterator[Ste
             # Never draft past max_tokens: the extra positions would be wasted.
             depth = min(config.draft_len, budget - produced - 1)
             fed = propose(drafter, committed, done.drafts, depth, config, costs, tree_size)
-            pending = one_pass(model, drafter, fed, cache)
+            pending = one_pass(model, drafter, fed, cache).queue()
         drafted = tuple(i < len(path) - 1 for i in range(len(committed)))
         yield Step(tuple(committed), drafted, len(committed) - 1, len(done.fed) - 1)
         if produced >= budget:
