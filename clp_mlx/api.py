@@ -7,6 +7,8 @@ text = generate(model, tokenizer, "def fib(n):", heads=heads, temp=0.7, top_p=0.
 
 from __future__ import annotations
 
+import inspect
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +45,8 @@ class Response:
 
 
 def load(
-    model: str | None = None,
-    heads: str | None = None,
+    model: str | os.PathLike | None = None,
+    heads: str | os.PathLike | None = None,
     *,
     dtype: str | None = None,
     num_draft_tokens: int | None = None,
@@ -55,23 +57,42 @@ def load(
     ``model``: a named default, an MLX or Hugging Face folder, a GGUF file or
     a Hub repo id (None: the default model). ``heads``: a heads folder,
     ``"init"`` for untrained heads as initialised for training (seeded), or
-    None for the heads shipped with a named default model, if any.
+    None for the heads shipped with a named default model, if any. Folders
+    may be given as paths (``os.PathLike``).
     """
     from .sources.resolve import resolve_model
 
+    model = _spec(model, "model", "a named model, a folder, a .gguf file or a Hub repo id")
+    heads = _spec(heads, "heads", "a heads folder or 'init'")
     dtype = dtype or backbone.default_dtype()
+    if dtype not in backbone.DTYPES:
+        raise ClpError(f"unknown dtype {dtype!r}; choose from {sorted(backbone.DTYPES)}")
     path = resolve_model(model, dtype=dtype)
     net, tokenizer = backbone.load_backbone(path, dtype)
     if heads == "init":
-        bundle = init_heads(net, num_draft_tokens or DEFAULT_K, seed=seed, name=str(model or ""))
+        k = DEFAULT_K if num_draft_tokens is None else num_draft_tokens
+        bundle = init_heads(net, k, seed=seed, name=str(model or ""))
     elif heads is not None:
-        if not Path(heads).exists():
-            raise ClpError(f"heads folder {heads} does not exist")
         bundle = load_heads(heads, net)
     else:
         found = shipped_heads(model)
         bundle = load_heads(found, net) if found is not None else None
     return net, tokenizer, bundle
+
+
+def _spec(value, what: str, means: str) -> str | None:
+    """A model or heads argument as a string (None stays None); an empty
+    string would mean the working directory, and is refused."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ClpError(f"{what} must be {means}, not {type(value).__name__}")
+    text = os.fspath(value)
+    if not isinstance(text, str):  # a bytes path
+        raise ClpError(f"{what} must be {means}, not a bytes path")
+    if not text.strip():
+        raise ClpError(f"{what} is empty: give {means} (--{what})")
+    return text
 
 
 def shipped_heads(model: str | None) -> Path | None:
@@ -133,6 +154,9 @@ def stream_generate(
     """
     if config is not None and options:
         raise ClpError(f"pass either config or options, not both ({', '.join(options)})")
+    unknown = sorted(set(options) - set(inspect.signature(decode_config).parameters))
+    if unknown:
+        raise ClpError(f"unknown option {', '.join(unknown)}; see clp_mlx.api.decode_config")
     config = (config or decode_config(**options)).resolve(model, heads)
     tokens = encode(tokenizer, prompt)
     stats = DecodeStats(config.mode, heads.k if config.mode != "ar" else 0)

@@ -129,6 +129,34 @@ def model_tensors(tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
     return tensors
 
 
+HPARAMS = {
+    "block_count": LAYERS,
+    "context_length": CONTEXT,
+    "embedding_length": HIDDEN,
+    "feed_forward_length": FFN,
+    "attention.head_count": HEADS,
+    "attention.head_count_kv": KV_HEADS,
+    "rope.freq_base": 10000.0,
+    "attention.layer_norm_rms_epsilon": 1e-6,
+}
+
+
+def _add_value(writer: gguf.GGUFWriter, key: str, value: object) -> None:
+    """One metadata entry, typed by its Python type (None: left out)."""
+    if value is None:
+        return
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        (writer.add_int64 if value < 0 or value >= 2**32 else writer.add_uint32)(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    else:
+        writer.add_array(key, list(value))
+
+
 def write_tiny_gguf(
     path: Path,
     *,
@@ -137,22 +165,19 @@ def write_tiny_gguf(
     qtype: QType = QType.F32,
     tokenizer: bool = True,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    hparams: dict[str, object] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny GGUF to ``path``; returns the float32 source weights by mlx-lm name.
 
     ``qtype`` applies to the 2-D matrices; norms and biases stay F32 as in
     llama.cpp's quantized files. The returned values are the exact ones the
-    file decodes to (already round-tripped through ``qtype``).
+    file decodes to (already round-tripped through ``qtype``). ``hparams``
+    overrides hyperparameters by key without the architecture prefix
+    (``{"attention.head_count": 0}``), of any type: hostile files.
     """
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
+    for key, value in {**HPARAMS, **(hparams or {})}.items():
+        _add_value(writer, f"{arch}.{key}", value)
     if tokenizer:
         tokens, types = vocab_tokens()
         writer.add_tokenizer_model("gpt2")

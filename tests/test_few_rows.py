@@ -22,6 +22,10 @@ from clp_mlx.native import status
 needs_kernel = pytest.mark.skipif(
     not status().few_rows, reason=f"few-row kernel not in use here: {status().note}"
 )
+# The kernel's own cblas_sgemm, called directly: loaded is enough, MLX may bind another.
+needs_library = pytest.mark.skipif(
+    _few_rows.library() is None, reason=f"few-row kernel not loaded here: {status().note}"
+)
 
 
 def _ref(a, b):
@@ -95,17 +99,17 @@ def test_without_a_compiler_or_when_off_plain_openblas_does_the_work(tmp_path):
     assert not (tmp_path / "few_rows").exists() or not any((tmp_path / "few_rows").iterdir())
 
 
-def _sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-    """The kernel's cblas_sgemm called directly, row-major, on float32 numpy buffers."""
+def _sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, order=101):
+    """The kernel's cblas_sgemm called directly (row-major unless ``order``) on float32 numpy buffers."""
     f = _few_rows.library().cblas_sgemm
     ptr = ctypes.POINTER(ctypes.c_float)
     f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ptr, ctypes.c_int, ptr, ctypes.c_int]
     f.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
     as_ptr = lambda x: x.ctypes.data_as(ptr)  # noqa: E731
-    f(101, ta, tb, m, n, k, alpha, as_ptr(a), lda, as_ptr(b), ldb, beta, as_ptr(c), ldc)
+    f(order, ta, tb, m, n, k, alpha, as_ptr(a), lda, as_ptr(b), ldb, beta, as_ptr(c), ldc)
 
 
-@needs_kernel
+@needs_library
 @pytest.mark.parametrize("m", [1, 3, 16, 64])
 @pytest.mark.parametrize("tb", [111, 112, 113])
 def test_the_cblas_contract_strides_alpha_beta(m, tb):
@@ -126,3 +130,32 @@ def test_the_cblas_contract_strides_alpha_beta(m, tb):
         np.testing.assert_allclose(c[:, :n], want, rtol=1e-4, atol=1e-3, err_msg=f"{alpha} {beta}")
         assert np.array_equal(c[:, n:], margin, equal_nan=True)  # ldc's margin untouched
         a[0, 0] = 0.0
+
+
+@needs_library
+@pytest.mark.parametrize("m", [1, 64])
+def test_the_contract_edges_are_the_kernels_not_the_fallbacks(m):
+    """K = 0, no rows or columns, column-major with beta 0 over NaN: answered by
+    the kernel's own rules, whatever the BLAS behind it does with them."""
+    rng = np.random.default_rng(m)
+    n, k = 40, 24
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+    c = np.full((m, n), 2.0, dtype=np.float32)
+    _sgemm(111, 112, m, n, 0, 1.0, a, k, b, k, 0.5, c, n)  # K = 0: C = beta C
+    assert np.array_equal(c, np.full((m, n), 1.0, dtype=np.float32))
+    for rows, cols in [(0, n), (m, 0)]:
+        c = np.full((m, n), np.nan, dtype=np.float32)
+        _sgemm(111, 112, rows, cols, k, 1.0, a, k, b, k, 0.0, c, n)
+        assert np.isnan(c).all()  # nothing to compute: C untouched
+    # column-major C = A B^T: A is (m x k) with lda = m, stored as k columns of m.
+    cm = np.full((n, m), np.nan, dtype=np.float32)  # n columns of m
+    _sgemm(111, 112, m, n, k, 1.0, np.ascontiguousarray(a.T), m, np.ascontiguousarray(b.T), n,
+           0.0, cm, m, order=102)
+    np.testing.assert_allclose(cm.T, _ref(a, b.T), rtol=1e-4, atol=1e-4)
+
+
+def test_the_status_tells_whether_mlx_reaches_the_kernel():
+    """few_rows is True exactly when a product through MLX is answered by the kernel."""
+    before = _few_rows.served()
+    mx.eval(mx.ones((2, 64)) @ mx.ones((3, 64)).T)
+    assert (_few_rows.served() > before) == status().few_rows, status().note

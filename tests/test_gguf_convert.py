@@ -57,6 +57,7 @@ def test_tied_f32_weights_and_config(tied_f32):
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "generation_config.json",
+        "made_from.json",
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
@@ -214,12 +215,13 @@ def test_bad_inputs_raise_and_leave_nothing(tmp_path):
     with pytest.raises(ClpError, match="already exists"):
         convert_gguf(tmp_path / "good.gguf", out, progress=False)
     assert leftovers(out) == ["out"] and (out / "keep.txt").exists()
-    convert_gguf(tmp_path / "good.gguf", out, force=True, progress=False)
-    assert (
-        leftovers(out) == ["out"]
-        and (out / "config.json").exists()
-        and not (out / "keep.txt").exists()
-    )
+    with pytest.raises(ClpError, match="not a folder clp-mlx wrote"):
+        convert_gguf(tmp_path / "good.gguf", out, force=True, progress=False)
+    assert leftovers(out) == ["out"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    for _ in range(2):  # an empty folder, then one it wrote itself
+        convert_gguf(tmp_path / "good.gguf", out, force=True, progress=False)
+        assert leftovers(out) == ["out"] and (out / "config.json").exists()
 
 
 def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):

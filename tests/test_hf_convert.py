@@ -139,17 +139,24 @@ def test_float16_and_quantized_outputs_stay_close(tmp_path):
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.9
 
 
-def test_existing_output_needs_force_and_is_replaced_whole(tmp_path):
+def test_existing_output_needs_force_and_only_ours_is_replaced(tmp_path):
     make_hf_folder(tmp_path / "hf")
     (tmp_path / "mlx").mkdir()
     (tmp_path / "mlx" / "stale.txt").write_text("old")
     with pytest.raises(ClpError, match="already exists"):
         convert_hf(tmp_path / "hf", tmp_path / "mlx")
-    convert_hf(tmp_path / "hf", tmp_path / "mlx", force=True)
-    assert not (tmp_path / "mlx" / "stale.txt").exists()
-    assert (tmp_path / "mlx" / "config.json").is_file()
-    with pytest.raises(ClpError, match="source folder"):
+    with pytest.raises(ClpError, match="not a folder clp-mlx wrote"):
+        convert_hf(tmp_path / "hf", tmp_path / "mlx", force=True)
+    assert (tmp_path / "mlx" / "stale.txt").read_text() == "old"  # a foreign folder stays
+    (tmp_path / "mlx" / "stale.txt").unlink()
+    convert_hf(tmp_path / "hf", tmp_path / "mlx", force=True)  # empty: nothing to lose
+    made = json.loads((tmp_path / "mlx" / "made_from.json").read_text())
+    assert made["made_by"] == "clp-mlx" and made["converter"] == "hf" and made["source"] == "hf"
+    convert_hf(tmp_path / "hf", tmp_path / "mlx", force=True, dtype="float32")  # ours: replaced
+    assert json.loads((tmp_path / "mlx" / "made_from.json").read_text())["dtype"] == "float32"
+    with pytest.raises(ClpError, match="input"):
         convert_hf(tmp_path / "hf", tmp_path / "hf", force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mlx"]
 
 
 def test_bad_sources_are_refused_and_leave_nothing_behind(tmp_path):

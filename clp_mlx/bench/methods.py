@@ -22,6 +22,7 @@ from ..decode.config import MODES, DecodeConfig
 from ..decode.loop import decode, prefill
 from ..decode.steps import DecodeStats, tokens_of
 from ..errors import ClpError
+from ..model.tokens import prompt_ids
 from .measures import peak_memory, reset_peak_memory
 
 # Our methods are named decode configs. verify: as generate runs it (feed by
@@ -97,6 +98,9 @@ class Start:
 
     @classmethod
     def prefill(cls, model, ids: list, draft=None) -> Start:
+        ids, _ = prompt_ids(ids, model)  # the ids are fed here, not through decode()
+        if draft is not None:
+            prompt_ids(ids, draft)
         prompt = mx.array(ids, dtype=mx.uint32)
         tic = time.perf_counter()
         cache = make_prompt_cache(model)

@@ -4,6 +4,8 @@ flags for a model and for decoding (one :class:`DecodeConfig` per command)."""
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from typing import Callable, Sequence
 
@@ -12,22 +14,71 @@ from ..decode.sampling import Sampling
 from ..errors import ClpError
 from ..model.backbone import DTYPES
 
+DEBUG = "--debug"
+# MLX's messages for a file it cannot read start with the failing function:
+# "[load_safetensors] ...", "[read] ...", "[safetensor] unsupported dtype ...".
+_MLX_FILE_ERROR = re.compile(r"^\[(load|read|safetensor|gguf|save)\w*\]")
 
-def guarded(main: Callable[[], int | None]) -> int:
-    """Run ``main``; a user error prints one line and gives 1, Ctrl-C gives 130."""
+
+def parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A command's argument parser, with the ``--debug`` flag every command takes."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument(DEBUG, action="store_true", help="show the traceback of an error (for bug reports)")
+    return p
+
+
+def guarded(main: Callable[[], int | None], argv: Sequence[str] | None = None) -> int:
+    """Run ``main``: a user error prints one line ``error: ...`` and gives 1,
+    Ctrl-C gives 130. With ``--debug`` in ``argv`` (default: the command
+    line) an error keeps its traceback. Anything not foreseen here is a bug:
+    it keeps its traceback too."""
+    debug = DEBUG in (sys.argv[1:] if argv is None else argv)
     try:
         return main() or 0
-    except ClpError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        line = user_error(e)
+        if line is None or debug:
+            raise
+        if isinstance(e, BrokenPipeError):  # nothing more can reach a closed stdout
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"error: {line}", file=sys.stderr)
+        return 1
+
+
+def user_error(e: BaseException) -> str | None:
+    """The one line for an error a user can fix (bad input, a file that cannot
+    be read or written), or None for a bug."""
+    if isinstance(e, ClpError):
+        return str(e)
+    if isinstance(e, UnicodeError):
+        return f"text that is not valid UTF-8 ({e}): pass UTF-8 text"
+    if isinstance(e, OSError):
+        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+        what = e.strerror or str(e) or type(e).__name__
+        return f"{what}: {where}" if where else what
+    if isinstance(e, (RuntimeError, ValueError)) and _MLX_FILE_ERROR.match(str(e)):
+        return f"cannot read a file: {str(e).splitlines()[0]}"
+    return None
 
 
 def run(main: Callable[[], int | None]) -> None:
     """Run a command's ``main`` and exit with its status (see :func:`guarded`)."""
+    _fill_standard_fds()
     sys.exit(guarded(main))
+
+
+def _fill_standard_fds() -> None:
+    """Put /dev/null where the caller closed stdin, stdout or stderr: else
+    the next file opened takes that number, and MLX, which reads descriptor
+    0 as a failed open, would call a good weights file unreadable."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
 
 
 def add_model_output_args(

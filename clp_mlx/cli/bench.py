@@ -46,7 +46,7 @@ from ..bench.prompts import (
 )
 from ..bench.report import environment, markdown, plots, weights_dtype, write_json
 from ..errors import ClpError
-from .args import run
+from .args import parser, run
 
 __all__ = ["bench", "main", "repetition_ratio", "settings", "wikitext_prompts"]
 
@@ -58,7 +58,7 @@ QUICK = {"num_prompts": 3, "max_tokens": 32, "modes": ["ar", "verify", "clp"], "
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m clp_mlx.bench", description=__doc__.splitlines()[0])
+    p = parser("python -m clp_mlx.bench", __doc__.splitlines()[0])
     p.add_argument(
         "--model", nargs="+", default=[None], help="one or more models (default: the 0.5B)"
     )

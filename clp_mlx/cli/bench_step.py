@@ -13,7 +13,6 @@ and detokenizing one token (generate's streaming). A benchmark, not a test.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -28,9 +27,10 @@ from ..decode.sampling import Sampler, Sampling, greedy
 from ..decode.tree import Tree
 from ..decode.unchecked import unchecked_step
 from ..decode.verify import one_pass
+from ..errors import ClpError
 from ..model import backbone
 from ..native.padrows import ROWS
-from .args import run
+from .args import parser, run
 
 
 def _verify(model, heads, fed: Tree, cache):
@@ -149,9 +149,7 @@ def host_costs(model, heads, tokenizer, *, context: int = 100, repeats: int = 7)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m clp_mlx.bench_step", description=__doc__.splitlines()[0]
-    )
+    p = parser("python -m clp_mlx.bench_step", __doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="as for generate (default: the 0.5B)")
     p.add_argument("--heads", default=None, help="heads folder (default: untrained heads)")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=3)
@@ -159,9 +157,17 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dtype", choices=sorted(backbone.DTYPES), default=None)
     args = p.parse_args(argv)
+    if args.context < 1 or args.repeats < 1:
+        raise ClpError("--context and --repeats must be at least 1")
     model, tokenizer, heads = load(
-        args.model, args.heads or "init", dtype=args.dtype, num_draft_tokens=args.num_draft_tokens
+        args.model,
+        "init" if args.heads is None else args.heads,
+        dtype=args.dtype,
+        num_draft_tokens=args.num_draft_tokens,
     )
+    room = (backbone.context_length(model) or args.context + ROWS) - ROWS
+    if args.context > room:
+        raise ClpError(f"--context must be at most {room} for this model's context")
     ms = measure(model, heads, context=args.context, repeats=args.repeats)
     k = heads.k
     plain = ms["backbone x1"]

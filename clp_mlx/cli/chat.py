@@ -26,12 +26,16 @@ import threading
 from dataclasses import replace
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
-from ..api import Response, stream_generate
+from ..api import stream_generate
 from ..decode.config import MODES, DecodeConfig
 from ..errors import ClpError
-from .args import add_decode_args, add_model_args, decode_config, load_model, run
+from ..model.backbone import context_length
+from ..model.tokens import prompt_ids
+from .args import add_decode_args, add_model_args, decode_config, load_model, parser, run
+from .conversation import Conversation, template_pieces, turn_line
+
+__all__ = ["Conversation", "answer", "main", "template_pieces"]
 
 HELP = f"""commands:
   q, /quit       leave (Ctrl-D too)
@@ -39,116 +43,8 @@ HELP = f"""commands:
   s, /stats      statistics of this conversation
   /mode MODE     switch the decode mode: {", ".join(MODES)}
   h, /help       this help
+A line starting with / is a command; start it with // to send it as text.
 Ctrl-C stops an answer and keeps the conversation."""
-_MARK = "CLP-MLX-MARK-7f3a"  # placeholder content, to cut the template into pieces
-
-
-def template_pieces(tokenizer) -> tuple[str, str, str]:
-    """What closes an assistant message, opens a user turn, and starts the reply.
-
-    For Qwen2.5: ``<|im_end|>\\n``, ``<|im_start|>user\\n`` and
-    ``<|im_end|>\\n<|im_start|>assistant\\n``; cut from the model's own
-    template by rendering placeholder conversations one turn apart.
-    """
-
-    def render(messages, generation_prompt):
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
-        )
-
-    head = [
-        {"role": "system", "content": "s"},
-        {"role": "user", "content": "u"},
-        {"role": "assistant", "content": _MARK},
-    ]
-    before = render(head, False)
-    after = render([*head, {"role": "user", "content": _MARK}], True)
-    turn = after[len(before) :]
-    if not after.startswith(before) or before.count(_MARK) != 1 or turn.count(_MARK) != 1:
-        raise ClpError("cannot cut this model's chat template into turns")
-    opening, reply = turn.split(_MARK)
-    return before[before.index(_MARK) + len(_MARK) :], opening, reply
-
-
-class Conversation:
-    """A conversation's tokens and the KV cache that holds them.
-
-    ``tokens``: every committed token, turns as the template renders them and
-    answers as decoded. The cache holds the first ``cached`` of them; the
-    rest (``unfed``) go in with the next turn.
-    """
-
-    def __init__(self, model, tokenizer, system_prompt: str | None = None):
-        self.model, self.tokenizer, self.system_prompt = model, tokenizer, system_prompt
-        self.close, self.opening, self.reply = template_pieces(tokenizer)
-        self.reset()
-
-    def reset(self) -> None:
-        self.tokens: list[int] = []
-        self.cache = make_prompt_cache(self.model)
-        self.turns: list[tuple[int, int, Response]] = []  # (new, carried over, last response)
-
-    @property
-    def cached(self) -> int:
-        return min(c.offset for c in self.cache)
-
-    @property
-    def unfed(self) -> list[int]:
-        return self.tokens[self.cached :]
-
-    def _closed_by(self) -> str:
-        """The start of ``close`` that the last answer's end token already wrote."""
-        if self.tokens and self.tokens[-1] in self.tokenizer.eos_token_ids:
-            end = self.tokenizer.decode([self.tokens[-1]])
-            if end and self.close.startswith(end):
-                return end
-        return ""
-
-    def begin_turn(self, text: str) -> list[int]:
-        """The tokens of a user turn: from closing the last answer to the reply's start."""
-        if not self.tokens:
-            messages = [{"role": "user", "content": text}]
-            if self.system_prompt:
-                messages.insert(0, {"role": "system", "content": self.system_prompt})
-            rendered = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        else:
-            rendered = self.close[len(self._closed_by()) :] + self.opening + text + self.reply
-        return self.tokenizer.encode(rendered, add_special_tokens=False)
-
-    def end_answer(self) -> None:
-        """Trim the cache to the committed tokens, which decoding overran.
-
-        Decoding queues the next pass before handing out tokens, so the cache
-        may hold drafts or tokens past the stop. Layers are trimmed one by one:
-        a second Ctrl-C may have stopped a pass between two layers.
-        """
-        eos = self.tokenizer.eos_token_ids
-        if self.tokens and self.tokens[-1] in eos and not self._closed_by():
-            self.tokens.pop()  # an end token the template does not close with (<|endoftext|>)
-        keep = min(len(self.tokens), self.cached)
-        for c in self.cache:
-            if c.offset > keep:
-                c.trim(c.offset - keep)
-
-    def summary(self, limit: int) -> str:
-        lines = [f"{len(self.turns)} turns, {len(self.tokens)} of {limit} tokens in the context"]
-        tokens = passes = 0
-        for i, (new, carried, r) in enumerate(self.turns, start=1):
-            tokens, passes = tokens + r.stats.tokens, passes + r.stats.steps
-            lines.append(f"turn {i}: {_turn_line(new, carried, r)}")
-        if passes:
-            lines.append(f"all turns: {tokens / passes:.2f} tokens per backbone pass")
-        return "\n".join(lines)
-
-
-def _turn_line(new: int, carried: int, r: Response) -> str:
-    return (
-        f"prefill {new + carried} tokens ({new} new + {carried} carried over) | "
-        f"{r.generation_tokens} tokens, {r.generation_tps:.1f} tokens/s | "
-        f"{r.stats.tokens_per_step:.2f} tokens per backbone pass | mode {r.stats.mode}"
-    )
 
 
 @contextlib.contextmanager
@@ -172,13 +68,10 @@ def ctrl_c_stops_the_answer():
         signal.signal(signal.SIGINT, previous)
 
 
-def mode_problem(config: DecodeConfig, mode: str, model, heads) -> str | None:
-    """Why ``mode`` cannot run with these heads, or None."""
-    try:
-        replace(config, mode=mode).resolve(model, heads)
-    except ClpError as e:
-        return str(e)
-    return None
+def with_mode(config: DecodeConfig, mode: str, draft_len: int | None) -> DecodeConfig:
+    """``config`` switched to ``mode``: ``ar`` drafts nothing, the others
+    draft ``draft_len`` (--num-draft-tokens) again."""
+    return replace(config, mode=mode, draft_len=None if mode == "ar" else draft_len)
 
 
 def answer(conv: Conversation, text: str, config: DecodeConfig, heads, limit: int) -> None:
@@ -192,7 +85,7 @@ def answer(conv: Conversation, text: str, config: DecodeConfig, heads, limit: in
         )
         return
     carried = len(conv.unfed)
-    prompt = conv.unfed + new
+    prompt, _ = prompt_ids(conv.unfed + new, conv.model, conv.cached)  # before any change
     conv.tokens += new
     max_tokens = min(config.max_tokens, room)
     last, interrupted = None, False
@@ -214,13 +107,13 @@ def answer(conv: Conversation, text: str, config: DecodeConfig, heads, limit: in
     print("\n[interrupted]" if interrupted else "")
     if last is not None:
         conv.turns.append((len(new), carried, last))
-        print(f"[{_turn_line(len(new), carried, last)} | context {len(conv.tokens)}/{limit}]")
+        print(f"[{turn_line(len(new), carried, last)} | context {len(conv.tokens)}/{limit}]")
         if last.finish_reason == "length" and max_tokens < config.max_tokens:
             print("[the context is full: type r to start over]")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m clp_mlx.chat", description=__doc__.split("\n")[0])
+    p = parser("python -m clp_mlx.chat", __doc__.split("\n")[0])
     add_model_args(p)
     add_decode_args(p, max_tokens=256)
     p.add_argument("--system-prompt", default=None, help="system message of the conversation")
@@ -246,7 +139,10 @@ def main(argv=None) -> int:
     if tokenizer.chat_template is None:
         raise ClpError("this model has no chat template; use clp_mlx.generate")
     config = replace(config, mode=config.resolve(model, heads).mode)
-    limit = args.max_kv_size or model.args.max_position_embeddings
+    context = context_length(model)
+    if args.max_kv_size and context and args.max_kv_size > context:
+        raise ClpError(f"--max-kv-size {args.max_kv_size} is more than this model's context ({context})")
+    limit = args.max_kv_size or context
     conv = Conversation(model, tokenizer, args.system_prompt)
     sampling = f"temp {args.temp}, top-p {args.top_p}, top-k {args.top_k}"
     k = heads.k if heads is not None else 0
@@ -263,23 +159,41 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:  # as in Python's REPL: drop the line, keep the conversation
             print()
             continue
-        word, _, rest = line.partition(" ")
+        except UnicodeDecodeError:
+            print("[error: that line is not valid UTF-8 text]")
+            continue
         if line in ("q", "/quit"):
             return 0
-        elif line in ("r", "/reset"):
-            conv.reset()
-            print("[new conversation]")
-        elif line in ("h", "/help"):
-            print(HELP)
-        elif line in ("s", "/stats"):
-            print(conv.summary(limit))
-        elif word == "/mode":
-            mode = rest.strip() or config.mode
-            problem = mode_problem(config, mode, model, heads)
-            config = config if problem else replace(config, mode=mode)
-            print(f"[{problem or f'mode {config.mode}'}]")
-        elif line:
-            answer(conv, line, config, heads, limit)
+        try:
+            config = command(line, conv, config, heads, limit, args.num_draft_tokens)
+        except ClpError as e:  # this line's problem: the conversation goes on
+            print(f"[error: {e}]")
+
+
+def command(line: str, conv: Conversation, config, heads, limit: int, draft_len) -> DecodeConfig:
+    """Do what one line asks (anything but quitting); the config for the next line."""
+    word, _, rest = line.partition(" ")
+    if line in ("r", "/reset"):
+        conv.reset()
+        print("[new conversation]")
+    elif line in ("h", "/help"):
+        print(HELP)
+    elif line in ("s", "/stats"):
+        print(conv.summary(limit))
+    elif word == "/mode":
+        try:
+            wanted = with_mode(config, rest.strip() or config.mode, draft_len)
+            wanted.resolve(conv.model, heads)  # why this mode cannot run, if it cannot
+        except ClpError as e:
+            print(f"[{e}]")
+            return config
+        config = wanted
+        print(f"[mode {config.mode}]")
+    elif line.startswith("/") and not line.startswith("//"):
+        print(f"[unknown command {word}: h for help; start a message with // to send a /]")
+    elif line:
+        answer(conv, line[1:] if line.startswith("//") else line, config, heads, limit)
+    return config
 
 
 def cli() -> None:

@@ -85,7 +85,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-o", "--out", required=True, help="heads folder to write (must not exist unless --force)"
     )
-    p.add_argument("--force", action="store_true", help="replace the heads folder if it exists")
+    p.add_argument(
+        "--force", action="store_true", help="replace the heads folder if it exists and holds only heads"
+    )
     p.add_argument(
         "--drop-head-projections",
         action="store_true",

@@ -17,13 +17,14 @@ from pathlib import Path
 
 from ..errors import ClpError
 from ..model.backbone import DTYPES
-from .args import run
+from ..model.checks import seed
+from .args import parser, run
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m clp_mlx.cli.distill",
-        description="Write the backbone's greedy continuations and hidden states, resumably.",
+    p = parser(
+        "python -m clp_mlx.cli.distill",
+        "Write the backbone's greedy continuations and hidden states, resumably.",
     )
     p.add_argument(
         "--model", default=None, help="named model or MLX/HF folder (default: the default model)"
@@ -78,6 +79,7 @@ def split_of(spec: str | None) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    seed(args.seed, "--seed")
     from ..model import backbone
     from ..sources.resolve import resolve_model
     from ..train import selfdistill_store as store

@@ -10,13 +10,14 @@ import sys
 
 from ..api import print_stats, stream_generate
 from ..errors import ClpError
-from .args import add_decode_args, add_model_args, decode_config, load_model, run
+from ..model.tokens import check_text
+from .args import add_decode_args, add_model_args, decode_config, load_model, parser, run
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m clp_mlx.generate",
-        description="Generate text with Backbone-as-Architect multi-token decoding.",
+    p = parser(
+        "python -m clp_mlx.generate",
+        "Generate text with Backbone-as-Architect multi-token decoding.",
     )
     add_model_args(p)
     p.add_argument("--prompt", "-p", default=None, help="the prompt; '-' reads standard input")
@@ -31,10 +32,24 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _read_stdin() -> str:
+    if sys.stdin is None:
+        raise ClpError("--prompt -: there is no standard input to read")
+    if not hasattr(sys.stdin, "buffer"):  # a text stream put in its place
+        return check_text(sys.stdin.read(), "standard input")
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ClpError(f"standard input is not UTF-8 text (byte {e.start}): pass UTF-8") from None
+
+
 def _prompt_text(args, tokenizer):
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else check_text(args.prompt)
     if not prompt:
         raise ClpError("the prompt is empty: pass --prompt/-p TEXT (or '-' to read stdin)")
+    if args.system_prompt is not None:
+        check_text(args.system_prompt, "--system-prompt")
     if not (args.chat_template or args.system_prompt):
         return prompt
     if tokenizer.chat_template is None:

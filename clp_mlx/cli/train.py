@@ -18,20 +18,23 @@ from pathlib import Path
 
 from ..api import load
 from ..errors import ClpError
+from ..model.checks import seed
 from ..model.heads import DESIGNS
-from ..model.heads_files import load_heads
+from ..model.heads_checks import MAX_K, MAX_LOOKUP
+from ..model.heads_files import holds_only_heads, load_heads
+from ..paths import replace_refusal
 from ..train.data import FeatureSource, features_for
 from ..train.evaluate import evaluate
 from ..train.fit import DecisionConfig, train
 from ..train.trainer import TrainConfig
-from .args import run
+from .args import parser, run
 
 DATA, DECISIONS = FeatureSource(), DecisionConfig()
 TRAIN_FLAGS = ("k", "design", "steps", "batch", "lr", "draft_vocab", "seed", "checkpoint_every")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m clp_mlx.train", description=__doc__.splitlines()[0])
+    p = parser("python -m clp_mlx.train", __doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="as for generate (default: the 0.5B)")
     p.add_argument("--data", nargs="+", required=True, help="text files (WikiText raw, code, ...)")
     p.add_argument("--out", help="heads folder to write (training)")
@@ -109,11 +112,16 @@ def _add_decision_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv=None, *, stop_after: int | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
+    seed(args.seed, "--seed")
     for name in ("prompt_tokens", "new_tokens", "seq_len", "max_tokens", "k", "steps", "batch"):
         if getattr(args, name) < 1:
             raise ClpError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.lookup < 0 or args.clp_l2 < 0:
-        raise ClpError("--lookup and --clp-l2 must be 0 or more")
+    if args.lookup < 0 or args.clp_l2 < 0 or args.draft_vocab < 0:
+        raise ClpError("--lookup, --clp-l2 and --draft-vocab must be 0 or more")
+    if args.k > MAX_K or args.lookup > MAX_LOOKUP:
+        raise ClpError(f"--k must be at most {MAX_K} and --lookup at most {MAX_LOOKUP}")
+    if not 0 < args.lr < float("inf") or args.checkpoint_every < 1 or args.decision_steps < 0:
+        raise ClpError("--lr must be above 0, --checkpoint-every 1 or more, --decision-steps 0 or more")
     source = FeatureSource(
         args.source, args.prompt_tokens, args.new_tokens, args.seq_len, args.max_tokens
     )
@@ -123,6 +131,9 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
         raise ClpError("training needs --out FOLDER for the heads")
     if Path(args.out).exists() and not args.force:
         raise ClpError(f"{args.out} exists; pass --force to replace it")
+    why = replace_refusal(args.out, holds_only_heads)  # before hours of training, not after
+    if why is not None:
+        raise ClpError(f"--out {args.out}: will not replace it: {why}")
     cfg = TrainConfig(**{name: getattr(args, name) for name in TRAIN_FLAGS})
     started = time.perf_counter()
     model, tokenizer, _ = load(args.model, None)

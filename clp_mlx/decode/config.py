@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..errors import ClpError
+from ..model.checks import is_whole, real, whole
+from ..model.heads import MTPBundle
 from ..native import padrows
 from .sampling import Sampling
 
@@ -28,6 +30,7 @@ class DecodeConfig:
     mode: str | None = None
     max_tokens: int = 256
     # Drafts per step, 1..k. None: all k the heads draft (the paper's horizon).
+    # Given with mode ar (which drafts nothing) it is refused, never ignored.
     draft_len: int | None = None
     # Greedy verify: feed the draft count with the most expected tokens per
     # unit of pass time ("cost"), as many as CLP expects to pass ("clp"), or
@@ -50,16 +53,23 @@ class DecodeConfig:
     def __post_init__(self):
         if self.mode is not None and self.mode not in MODES:
             raise ClpError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
-        if self.max_tokens < 1:
-            raise ClpError(f"max_tokens must be at least 1, got {self.max_tokens} (--max-tokens)")
-        if self.draft_len is not None and self.draft_len < 1:
-            raise ClpError(f"draft_len must be at least 1, got {self.draft_len} (--num-draft-tokens)")
+        whole(self.max_tokens, "max_tokens (--max-tokens)", 1)
+        if self.draft_len is not None:
+            whole(self.draft_len, "draft_len (--num-draft-tokens)", 1)
         if self.feed not in FEEDS:
             raise ClpError(f"feed must be one of {', '.join(FEEDS)}, got {self.feed!r} (--verify-feed)")
-        if self.clp_threshold is not None and not 0 < self.clp_threshold <= 1:
-            raise ClpError(f"clp_threshold must be in (0, 1], got {self.clp_threshold} (--clp-threshold)")
-        if self.tree is not None and self.tree < 0:
-            raise ClpError(f"tree must be 0 (a chain) or a number of tokens, got {self.tree} (--tree)")
+        if self.context_drafts is not None and not isinstance(self.context_drafts, bool):
+            raise ClpError(f"context_drafts must be None, True or False, got {self.context_drafts!r}")
+        if self.clp_threshold is not None:
+            q = real(self.clp_threshold, "clp_threshold (--clp-threshold)")
+            if not 0 < q <= 1:
+                raise ClpError(f"clp_threshold must be in (0, 1], got {q} (--clp-threshold)")
+        if self.tree is not None and not (is_whole(self.tree) and self.tree >= 0):
+            raise ClpError(f"tree must be 0 (a chain) or a number of tokens, got {self.tree!r} (--tree)")
+        if not 0 <= real(self.gate_threshold, "gate_threshold") <= 1:
+            raise ClpError(f"gate_threshold must be in [0, 1], got {self.gate_threshold}")
+        if not isinstance(self.sampling, Sampling):
+            raise ClpError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -68,7 +78,15 @@ class DecodeConfig:
     def resolve(self, model, heads) -> "DecodeConfig":
         """A copy with every default filled for ``model`` and its ``heads``
         (None for none), or ClpError saying what does not fit."""
+        if heads is not None and not isinstance(heads, MTPBundle):
+            raise ClpError(f"heads must be what clp_mlx.load gives (or None), not {type(heads).__name__}")
         mode = self.mode or ("verify" if heads is not None else "ar")
+        if mode == "ar" and self.draft_len is not None:
+            raise ClpError(
+                "--num-draft-tokens (draft_len) drafts nothing in mode ar: drop it, or pick a "
+                f"mode that drafts ({', '.join(m for m in MODES if m != 'ar')})"
+                + ("" if self.mode else " with --heads")
+            )
         if mode == "ar":
             return replace(self, mode=mode, context_drafts=False, tree=0)
         if heads is None:

@@ -52,10 +52,22 @@ def _setup_key(model) -> str:
 
 
 def _read_costs() -> dict:
+    """The pass times on disk; entries that are not lists of positive times
+    (a damaged or foreign file) are dropped and measured again."""
     try:
-        return json.loads(_costs_file().read_text())
-    except (OSError, ValueError):
+        table = json.loads(_costs_file().read_text())
+    except (OSError, ValueError, RecursionError):
         return {}  # none yet, or unreadable: measure again
+    if not isinstance(table, dict):
+        return {}
+    return {key: times for key, times in table.items() if _are_times(times)}
+
+
+def _are_times(times) -> bool:
+    return isinstance(times, list) and all(
+        isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf")
+        for t in times
+    )
 
 
 def _write_costs(table: dict) -> None:

@@ -14,8 +14,8 @@ from typing import Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..errors import ClpError
 from ..model.backbone import hidden_states
+from ..model.tokens import prompt_ids
 from .ar import ar
 from .config import DecodeConfig
 from .drafters import make_drafter
@@ -65,21 +65,23 @@ def decode(
     ``heads``: the trained MTP bundle (None: plain decoding only). ``config``
     is resolved here (:meth:`DecodeConfig.resolve`). ``context``: the tokens
     ``prompt_cache`` already holds before ``prompt``, for context drafts to
-    copy from (a conversation); they are not fed again.
+    copy from (a conversation); they are not fed again. Both are checked
+    first (:func:`clp_mlx.model.tokens.prompt_ids`: ids the model has, a
+    prompt that fits its context), a ClpError on the first ``next()``.
 
     The step after the one being yielded is already queued, so when the
     caller stops, ``prompt_cache`` may hold tokens beyond those it received:
     its first ``n`` positions hold the first ``n`` tokens of prompt + output,
     and a caller that keeps the cache trims it to the tokens it keeps.
     """
-    prompt = mx.array(prompt, dtype=mx.uint32) if not isinstance(prompt, mx.array) else prompt
-    if prompt.ndim != 1 or prompt.size == 0:
-        raise ClpError("the prompt is empty: give at least one token")
+    held = min((c.offset for c in prompt_cache), default=0) if prompt_cache else 0
+    ids, context = prompt_ids(prompt, model, held, context)
+    prompt = mx.array(ids, dtype=mx.uint32)
     config = (config or DecodeConfig()).resolve(model, heads)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     sampler = Sampler(config.sampling)
     size, width = tree_shape(config, heads, cache) if config.mode == "verify" else (0, 1)
-    known = list(context or []) + prompt.tolist() if config.context_drafts else []
+    known = context + ids if config.context_drafts else []
     drafter = make_drafter(model, heads, config, known, width)
 
     with mx.stream(_stream):

@@ -19,6 +19,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from ..errors import ClpError
+from ..model import checks
+from ..model.checks import is_whole, real
 
 
 @dataclass(frozen=True)
@@ -32,14 +34,16 @@ class Sampling:
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability
 
     def __post_init__(self):
-        if not self.temp >= 0:
+        if not real(self.temp, "the temperature (--temp)") >= 0:
             raise ClpError(f"the temperature must be 0 (greedy) or more, got {self.temp}")
-        if not 0 < self.top_p <= 1:
+        if not 0 < real(self.top_p, "top_p (--top-p)") <= 1:
             raise ClpError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ClpError(f"top_k must be 0 (off) or more, got {self.top_k}")
-        if not 0 <= self.min_p < 1:
+        if not (is_whole(self.top_k) and self.top_k >= 0):
+            raise ClpError(f"top_k must be 0 (off) or more, got {self.top_k!r} (--top-k)")
+        if not 0 <= real(self.min_p, "min_p") < 1:
             raise ClpError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None:
+            checks.seed(self.seed, "the seed (--seed)")
 
     @property
     def greedy(self) -> bool:

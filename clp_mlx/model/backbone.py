@@ -7,6 +7,7 @@ turns any stack of hidden states, backbone or head, into logits in one matmul.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,6 +15,7 @@ import mlx.nn as nn
 
 from ..errors import ClpError
 from ..native.padrows import pad_rows
+from .checks import real, whole
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -29,22 +31,106 @@ def default_dtype() -> str:
 
 
 def load_backbone(path: str | Path, dtype: str | None = None):
-    """Load an MLX model folder with mlx-lm; cast float weights to ``dtype``."""
+    """Load an MLX model folder with mlx-lm; cast float weights to ``dtype``.
+
+    A folder mlx-lm cannot load (a foreign or broken config.json, missing or
+    truncated weights, a broken tokenizer) is refused with a ClpError naming it.
+    """
     from mlx_lm import load as mlx_load
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ClpError(f"{path} is not a model folder (no config.json)")
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise ClpError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
-    model, tokenizer = mlx_load(str(path), lazy=True)
-    if getattr(model, "model_type", None) != "qwen2":
-        raise ClpError(f"{path}: model_type {model.model_type!r} is not qwen2")
+    check_config(path)
+    try:
+        model, tokenizer = mlx_load(str(path), lazy=True)
+    except Exception as e:  # mlx-lm and transformers raise types of their own, too
+        raise ClpError(f"cannot load the model folder {path}: {_reason(e)}") from e
+    words, rows = len(getattr(tokenizer, "_tokenizer", ())), token_count(model)
+    if words > rows:  # its ids past the model's tables would read beyond them
+        raise ClpError(f"{path}: the tokenizer has {words} tokens, the model only {rows}")
     model.set_dtype(DTYPES[dtype])
-    mx.eval(model.parameters())
+    try:
+        mx.eval(model.parameters())
+    except LOAD_ERRORS as e:  # the weights are read here
+        raise ClpError(f"cannot read the weights in {path}: {_reason(e)}") from e
     pad_rows(model)
     return model, tokenizer
+
+
+# What MLX raises for weights it cannot read: a truncated or foreign file
+# (RuntimeError), a missing one, bad sizes.
+LOAD_ERRORS = (
+    OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, AssertionError,
+    RuntimeError, RecursionError, ArithmeticError,
+)  # fmt: skip
+SIZES = (
+    "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "vocab_size", "max_position_embeddings",
+)  # fmt: skip
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def check_config(path: Path) -> dict:
+    """The folder's config.json, refused unless it describes a Qwen2 model."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise ClpError(f"{path} is not a model folder (no config.json)")
+    try:
+        config = json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ClpError(f"cannot read {file}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
+        raise ClpError(f"{file} is not valid JSON ({_reason(e)})") from None
+    if not isinstance(config, dict):
+        raise ClpError(f"{file} must hold a JSON object")
+    kind = config.get("model_type")
+    if kind != "qwen2":
+        what = "has no model_type" if kind is None else f"model_type {kind!r} is not qwen2"
+        raise ClpError(f"{file} {what}: clp-mlx runs Qwen2 models")
+    for key in SIZES:
+        if key in config:
+            whole(config[key], f"{file}: {key}", 1)
+    for key in ("rope_theta", "rms_norm_eps"):
+        if key in config and not real(config[key], f"{file}: {key}") > 0:
+            raise ClpError(f"{file}: {key} must be above 0, got {config[key]}")
+    for key in ("rope_traditional", "tie_word_embeddings"):
+        if key in config and not isinstance(config[key], bool):
+            raise ClpError(f"{file}: {key} must be true or false, got {config[key]!r}")
+    layers = _weight_layers(path)
+    if config.get("num_hidden_layers", 0) > layers:
+        raise ClpError(f"{file} says {config['num_hidden_layers']} layers; the weights hold {layers}")
+    return config
+
+
+def _weight_layers(path: Path) -> int:
+    """How many transformer layers the weight files hold (their headers only)."""
+    files, found = sorted(path.glob("model*.safetensors")), set()
+    if not files:
+        raise ClpError(f"{path} holds no weights (model*.safetensors)")
+    for f in files:
+        try:
+            names = mx.load(str(f)).keys()  # lazy: reads the header
+        except LOAD_ERRORS as e:
+            raise ClpError(f"cannot read the weights {f}: {_reason(e)}") from None
+        found |= {n.split(".")[2] for n in names if n.startswith("model.layers.")}
+    return len(found)
+
+
+def token_count(model: nn.Module) -> int:
+    """How many token ids the model can take and give: the rows of its
+    embedding table and of its output projection."""
+    return min(model.model.embed_tokens.weight.shape[0], _output_layer(model).weight.shape[0])
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The most positions the model was made for (``max_position_embeddings``)."""
+    return getattr(model.args, "max_position_embeddings", None)
 
 
 def hidden_states(model: nn.Module, tokens: mx.array, cache) -> mx.array:

@@ -18,8 +18,8 @@ from mlx.utils import tree_flatten
 
 from ..errors import ClpError
 from ..paths import atomic_folder
-from . import backbone
-from .heads import FORMAT, PROBE_MIN_COSINE, Gate, HeadsConfig, MTPBundle, gate_hidden_size
+from . import backbone, checks, heads_checks
+from .heads import PROBE_MIN_COSINE, Gate, HeadsConfig, MTPBundle, gate_hidden_size
 
 
 def init_heads(
@@ -33,8 +33,9 @@ def init_heads(
     name: str = "",
 ) -> MTPBundle:
     """Fresh heads for ``model``, as training starts from them (seeded)."""
-    if k < 1:
-        raise ClpError(f"the number of draft tokens must be at least 1, got {k}")
+    what = "the number of draft tokens (--num-draft-tokens)"
+    k = checks.whole(checks.whole(k, what, 1), what, most=heads_checks.MAX_K)
+    mx.random.seed(checks.seed(seed))
     sig = backbone.signature(model)
     config = HeadsConfig(
         k=k,
@@ -48,7 +49,6 @@ def init_heads(
         head0=head0,
         backbone=name,
     )
-    mx.random.seed(seed)
     bundle = MTPBundle(config)
     bundle.set_dtype(_float_dtype(model))
     mx.eval(bundle.parameters())
@@ -83,48 +83,68 @@ def check_backbone(config: HeadsConfig, model: nn.Module, where: str = "heads") 
 def save_heads(
     bundle: MTPBundle, folder: str | Path, *, force: bool = False, extra: dict | None = None
 ) -> Path:
-    """Write ``heads.safetensors`` + ``heads.json`` atomically into ``folder``."""
+    """Write ``heads.safetensors`` + ``heads.json`` atomically into ``folder``.
+
+    ``force`` replaces an existing folder only if it holds heads and nothing
+    else (:func:`holds_only_heads`): never the working folder or one with
+    other files in it."""
     folder = Path(folder)
     if folder.exists() and not force:
         raise ClpError(f"{folder} exists; pass force=True (--force) to replace it")
-    with atomic_folder(folder) as tmp:
-        weights = dict(tree_flatten(bundle.parameters()))
-        mx.save_safetensors(str(tmp / "heads.safetensors"), weights)
-        meta = asdict(bundle.config)
-        if extra:
-            meta["extra"] = extra
-        (tmp / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
+    try:
+        with atomic_folder(folder, ours=holds_only_heads) as tmp:
+            weights = dict(tree_flatten(bundle.parameters()))
+            mx.save_safetensors(str(tmp / "heads.safetensors"), weights)
+            meta = asdict(bundle.config)
+            if extra:
+                meta["extra"] = extra
+            (tmp / "heads.json").write_text(json.dumps(meta, indent=1) + "\n")
+    except FileExistsError as e:  # the folder is not one heads may replace
+        raise ClpError(f"will not replace {folder}: {e.strerror}; choose another folder") from e
     return folder
 
 
-def read_config(folder: str | Path) -> HeadsConfig:
-    folder = Path(folder)
-    meta_path = folder / "heads.json"
-    if not meta_path.is_file():
-        raise ClpError(f"{folder} holds no heads (heads.json is missing)")
+HEADS_FILES = ("heads.json", "heads.safetensors", "training.json", "training.png")
+
+
+def holds_only_heads(folder: Path) -> bool:
+    """Whether ``folder`` holds clp-mlx heads and nothing else (what
+    :func:`save_heads` and training write): a folder --force may replace."""
     try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ClpError(f"{meta_path} is not valid JSON: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise ClpError(f"{meta_path} is not a clp-mlx heads file")
-    known = HeadsConfig.__dataclass_fields__
-    config = HeadsConfig(**{k: v for k, v in meta.items() if k in known})
-    if not isinstance(config.tree_branches, int) or config.tree_branches < 1:
-        raise ClpError(f"{meta_path}: tree_branches must be a whole number >= 1")
-    return config
+        heads_checks.read_meta(Path(folder) / "heads.json")
+        present = list(Path(folder).iterdir())
+    except (ClpError, OSError):
+        return False
+    return all(p.name in HEADS_FILES and p.is_file() and not p.is_symlink() for p in present)
+
+
+def read_config(folder: str | Path) -> HeadsConfig:
+    """The checked ``heads.json`` of a heads folder (see :mod:`.heads_checks`)."""
+    meta_path = Path(folder) / "heads.json"
+    return heads_checks.config_from_meta(heads_checks.read_meta(meta_path), meta_path)
 
 
 def load_heads(folder: str | Path, model: nn.Module) -> MTPBundle:
-    """Load heads saved by :func:`save_heads`, checking they fit ``model``."""
+    """Load heads saved by :func:`save_heads`, checking they fit ``model``.
+
+    Every field, array, dtype, shape, value and token id is checked before
+    MLX computes with it: a heads folder from anywhere gives these heads or
+    one ClpError, never a crash or a read out of bounds."""
     folder = Path(folder)
+    if not folder.is_dir():
+        why = "is not a folder" if folder.exists() else "does not exist"
+        raise ClpError(f"heads folder {folder} {why}")
     config = read_config(folder)
     check_backbone(config, model, where=f"heads in {folder}")
+    weights = folder / "heads.safetensors"
+    arrays = heads_checks.read_weights(weights)
+    vocab = backbone.token_count(model)
+    heads_checks.check_parts(config, arrays, weights, vocab)
     bundle = MTPBundle(config)
-    try:
-        bundle.load_weights(str(folder / "heads.safetensors"), strict=True)
-    except (ValueError, FileNotFoundError) as e:
-        raise ClpError(f"{folder}: heads.safetensors does not match heads.json ({e})") from None
+    heads_checks.check_arrays(bundle, arrays, weights, vocab)
+    if "draft_vocab" in arrays:
+        arrays["draft_vocab"] = arrays["draft_vocab"].astype(mx.int32)
+    bundle.load_weights(list(arrays.items()), strict=True)
     bundle.set_dtype(_float_dtype(model))
     mx.eval(bundle.parameters())
     return bundle
@@ -148,16 +168,7 @@ def bundle_from_arrays(
     if gate_w is not None:
         bundle.config.gate_hidden = int(gate_w.shape[0])
         bundle.gate = Gate(bundle.config.hidden_size, bundle.k, bundle.config.gate_hidden)
-    expected = dict(tree_flatten(bundle.parameters()))
-    unknown = sorted(set(arrays) - set(expected))
-    if unknown:
-        raise ClpError(f"unknown head weights: {', '.join(unknown)}")
-    for key, value in arrays.items():
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise ClpError(
-                f"{key} has shape {tuple(value.shape)}, this backbone needs "
-                f"{tuple(expected[key].shape)}"
-            )
+    heads_checks.check_names(bundle, arrays, complete=False)
     bundle.load_weights([(k, mx.array(v)) for k, v in arrays.items()], strict=False)
     bundle.set_dtype(_float_dtype(model))
     mx.eval(bundle.parameters())

@@ -74,9 +74,11 @@ def preload_openblas() -> bool:
             continue
         kernel, note = (None, "off") if choice else _few_rows.load()
         ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-        if kernel is not None:
-            _few_rows.attach(kernel, blas)
-        _status = NativeStatus(blas=choice or "openblas", few_rows=kernel is not None, note=note)
+        answers = kernel is not None
+        if answers:  # loaded, but is it what cblas_sgemm means in this process?
+            why_not = _few_rows.attach(kernel, blas)
+            answers, note = why_not is None, note if why_not is None else why_not
+        _status = NativeStatus(blas=choice or "openblas", few_rows=answers, note=note)
         return True
     warnings.warn(f"OpenBLAS not found. {_FIX}", RuntimeWarning, stacklevel=2)
     return False

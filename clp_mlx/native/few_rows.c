@@ -192,11 +192,16 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, co
         fputs("few_rows: cblas_sgemm called before few_rows_init\n", stderr);
         abort();
     }
-    if (alpha == 0.0f) { /* C = beta C: A and B are not read (some BLAS builds read them) */
+    /* The CBLAS contract is kept here, not left to whichever BLAS kernel the CPU
+     * gets: nothing to do without rows or columns; alpha 0 or no K: C = beta C,
+     * A and B unread (some BLAS builds read them); beta 0: C is not read (it may
+     * hold NaN), zeroed before a fallback call so that 0 stays 0 whatever it does. */
+    if (M <= 0 || N <= 0) return;
+    if (alpha == 0.0f || K <= 0) {
         scale_c(order, M, N, beta, C, ldc);
         return;
     }
-    if (order == ROW_MAJOR && ta == NO_TRANS && M > 0 && M <= MAX_ROWS && N > 0 && alpha != 0.0f) {
+    if (order == ROW_MAJOR && ta == NO_TRANS && M <= MAX_ROWS) {
         if (tb == TRANS || tb == CONJ_TRANS) { /* real numbers: the same */
             __atomic_add_fetch(&served, 1, __ATOMIC_RELAXED);
             a_bt(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -208,6 +213,7 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha, co
             return;
         }
     }
+    if (beta == 0.0f) scale_c(order, M, N, 0.0f, C, ldc);
     if (order == ROW_MAJOR && (long)M * N * K >= FALLBACK_SPLIT_FROM && N >= 32)
         split_columns(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     else

@@ -9,7 +9,11 @@ own wording of them, since the ``convert`` command's errors quote that wording.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,12 @@ from typing import Any
 import mlx.core as mx
 
 from clp_mlx.errors import ClpError
+from clp_mlx.paths import replace_refusal
+
+MARKER = "made_from.json"  # in every folder a converter writes: what --force may replace
+_INT_MAX = 2**31 - 1  # MLX's shapes are 32-bit
+HEADS_FILES = ("heads.json", "heads.safetensors", "training.json", "training.png")
+MAX_LAYERS = 4096  # Qwen2's largest has 80; a bigger count is a broken config, not a model
 
 
 @dataclass(frozen=True)
@@ -41,17 +51,122 @@ class Choices:
             )
 
 
-def check_output(out: Path, force: bool) -> None:
-    """An existing output folder is replaced only when the caller says so."""
-    if out.exists() and not force:
+def check_output(out_dir: str | os.PathLike[str], force: bool, inputs: Iterable[Path]) -> Path:
+    """The output folder as an absolute path (so "." or "x/" still has a name).
+    An existing one is replaced only when the caller says so, and only if it
+    is empty or clp-mlx wrote it (:data:`MARKER`), never one holding
+    ``inputs``, the current folder or a link (:func:`clp_mlx.paths.replace_refusal`)."""
+    out = Path(os.path.abspath(out_dir))
+    if not (out.exists() or out.is_symlink()):
+        return out
+    if not force:
         raise ClpError(f"output folder {out} already exists (use --force to replace it)")
+    why = replace_refusal(out, made_here, inputs)
+    if why is not None:
+        raise ClpError(f"refusing to replace {out} (--force): {why}")
+    return out
 
 
-def empty_qwen2(config: dict[str, Any]) -> Any:
-    """An mlx-lm Qwen2 model whose parameters are still unevaluated (free)."""
+def write_marker(folder: Path, converter: str, source: Path, **options: Any) -> None:
+    """Write :data:`MARKER` last: what made the folder and the files it holds."""
+    files = sorted(p.name for p in folder.iterdir())
+    made = {"made_by": "clp-mlx", "converter": converter, "source": source.name, **options}
+    text = json.dumps({**made, "files": files}, indent=1) + "\n"
+    (folder / MARKER).write_text(text, encoding="utf-8")
+
+
+def made_here(folder: Path) -> bool:
+    """Whether a converter of clp-mlx wrote ``folder``: its marker says so and
+    it holds only files the marker lists."""
+    try:
+        made = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+        present = {p.name: p.is_dir() and not p.is_symlink() for p in folder.iterdir()}
+    except (OSError, ValueError):
+        return False
+    if not isinstance(made, dict) or made.get("made_by") != "clp-mlx":
+        return False
+    files = made.get("files")
+    if not isinstance(files, list):
+        return False
+    return all(name in files or name == MARKER for name in present) and not any(present.values())
+
+
+def made_heads_here(folder: Path) -> bool:
+    """Whether ``folder`` holds clp-mlx heads and nothing else (what ``save_heads``
+    and training write): --force may replace it."""
+    from clp_mlx.model.heads import FORMAT
+
+    try:
+        meta = json.loads((folder / "heads.json").read_text(encoding="utf-8"))
+        present = [p for p in folder.iterdir()]
+    except (OSError, ValueError, RecursionError):
+        return False
+    return (isinstance(meta, dict) and meta.get("format") == FORMAT
+            and all(p.name in HEADS_FILES and not p.is_dir() for p in present))
+
+
+def read_json(path: Path, what: str = "file") -> Any:
+    """``path`` parsed as JSON; a ClpError if it cannot be read or parsed."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ClpError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ClpError(f"{path} is not a valid JSON {what}: {str(e)[:200]}") from None
+
+
+def json_kind(value: Any) -> str:
+    """What JSON calls the type of ``value``, for messages."""
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}
+    return kinds.get(type(value), "a number")
+
+
+@contextmanager
+def writing(out: Path) -> Iterator[None]:
+    """Turn an OSError while converting (unwritable folder, full disk) into a
+    ClpError naming the path."""
+    try:
+        yield
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(out) else ""
+        raise ClpError(f"cannot write {out}: {e.strerror or e}{where}") from None
+
+
+def check_qwen2_config(config: Any, where: str) -> None:
+    """A ClpError naming the field unless ``config`` is a Qwen2 config mlx-lm can build."""
+    if not isinstance(config, dict):
+        raise ClpError(f"{where} must be a JSON object, not {json_kind(config)}")
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "vocab_size", "max_position_embeddings")
+    for key in sizes:
+        value = config.get(key, 1 if key == "max_position_embeddings" else None)
+        most = MAX_LAYERS if key == "num_hidden_layers" else _INT_MAX
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= most:
+            raise ClpError(f"{where}: {key} must be a whole number from 1 to {most}, not {value!r}")
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = config.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ClpError(f"{where}: {key} must be a positive number, not {value!r}")
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    if config["hidden_size"] % heads or heads % kv or (config["hidden_size"] // heads) % 2:
+        raise ClpError(f"{where}: hidden_size {config['hidden_size']}, {heads} attention heads and "
+                       f"{kv} key-value heads do not fit (even head size, heads a multiple of kv heads)")
+    if not isinstance(config.get("tie_word_embeddings", True), bool):
+        raise ClpError(f"{where}: tie_word_embeddings must be true or false")
+    if not isinstance(config.get("rope_scaling", {}), (dict, type(None))):
+        raise ClpError(f"{where}: rope_scaling must be an object or null")
+
+
+def empty_qwen2(config: dict[str, Any], where: str = "config") -> Any:
+    """An mlx-lm Qwen2 model whose parameters are still unevaluated (free);
+    a config it cannot build is a ClpError."""
     from mlx_lm.models import qwen2  # mlx_lm pulls in transformers: import only when converting
 
-    return qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    check_qwen2_config(config, where)
+    try:
+        return qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    except (TypeError, KeyError, ValueError, AttributeError, AssertionError, ArithmeticError) as e:
+        raise ClpError(f"{where} does not describe a Qwen2 model ({e})") from None
 
 
 def load_and_quantize(

@@ -24,7 +24,14 @@ from tokenizers import Tokenizer
 
 from clp_mlx.errors import ClpError
 from clp_mlx.paths import atomic_folder
-from clp_mlx.sources.converting import Choices, check_output, empty_qwen2, load_and_quantize
+from clp_mlx.sources.converting import (
+    Choices,
+    check_output,
+    empty_qwen2,
+    load_and_quantize,
+    write_marker,
+    writing,
+)
 from clp_mlx.sources.gguf_read import dequantize_tensor, gguf_config, open_gguf, tensor_plan
 from clp_mlx.sources.gguf_tokenizer import generation_config, gguf_tokenizer, tokenizer_config
 
@@ -65,11 +72,11 @@ def convert_gguf(
     that is renamed at the end and removed on any failure, Ctrl-C included.
     """
     _CHOICES.check(dtype, q_bits, q_group_size)
-    out = Path(os.path.abspath(out_dir))  # normalized, so "." or "x/" still has a name
-    check_output(out, force)
+    out = check_output(out_dir, force, [Path(gguf_path)])
     reader, config, tokenizer, model, plan = _checked_source(gguf_path, dtype)
 
-    with atomic_folder(out) as tmp:
+    options = {"dtype": dtype, "q_bits": q_bits, "q_group_size": q_group_size}
+    with writing(out), atomic_folder(out) as tmp:
         weights = _convert_tensors(plan, DTYPES[dtype], progress)
         if q_bits is not None:
             model, config = load_and_quantize(model, weights, config, q_bits, q_group_size)
@@ -84,6 +91,7 @@ def convert_gguf(
             tokenizer_config(reader, tokenizer, config["max_position_embeddings"]),
         )
         tokenizer.save(str(tmp / "tokenizer.json"))
+        write_marker(tmp, "gguf", Path(gguf_path), **options)
     return out
 
 
@@ -97,7 +105,7 @@ def _checked_source(
     tokenizer = gguf_tokenizer(reader)
     if tokenizer.get_vocab_size(with_added_tokens=True) > config["vocab_size"]:
         raise ClpError("GGUF vocabulary has more tokens than the embedding has rows")
-    model = empty_qwen2(config)
+    model = empty_qwen2(config, f"{gguf_path}: the GGUF metadata")
     expected = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
     return reader, config, tokenizer, model, tensor_plan(reader, expected)
 

@@ -71,8 +71,31 @@ def meta(reader: gguf.GGUFReader, key: str, default: Any = ...) -> Any:
     return field.contents()
 
 
+def _whole(reader: gguf.GGUFReader, key: str) -> int:
+    """An integer metadata value; a string, float or list there is a ClpError."""
+    value = meta(reader, key)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ClpError(f"GGUF metadata {key} must be an integer, not {value!r:.40}")
+    return int(value)
+
+
+def _number(reader: gguf.GGUFReader, key: str, default: Any = ...) -> float:
+    value = meta(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise ClpError(f"GGUF metadata {key} must be a number, not {value!r:.40}")
+    return float(value)
+
+
 def gguf_config(reader: gguf.GGUFReader, dtype: str = "float16") -> dict[str, Any]:
-    """The Hugging Face / mlx-lm ``config.json`` for a qwen2 GGUF file."""
+    """The Hugging Face / mlx-lm ``config.json`` for a qwen2 GGUF file; metadata
+    of the wrong kind (a string for a size, say) is a ClpError."""
+    try:
+        return _config(reader, dtype)
+    except (TypeError, ValueError, OverflowError, IndexError) as e:
+        raise ClpError(f"GGUF metadata of the wrong kind ({e})") from None
+
+
+def _config(reader: gguf.GGUFReader, dtype: str) -> dict[str, Any]:
     arch = meta(reader, "general.architecture")
     if arch != "qwen2":
         raise ClpError(f"unsupported GGUF architecture {arch!r}: only 'qwen2' can be converted")
@@ -81,19 +104,19 @@ def gguf_config(reader: gguf.GGUFReader, dtype: str = "float16") -> dict[str, An
         raise ClpError("GGUF file has no token_embd.weight tensor")
     # GGUF lists dimensions fastest-first: ne = (hidden, vocab) for the embedding.
     vocab_size = int(tensors["token_embd.weight"].shape[-1])
-    context = int(meta(reader, "qwen2.context_length"))
+    context = _whole(reader, "qwen2.context_length")
     config: dict[str, Any] = {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         "hidden_act": "silu",
-        "hidden_size": int(meta(reader, "qwen2.embedding_length")),
-        "intermediate_size": int(meta(reader, "qwen2.feed_forward_length")),
-        "num_hidden_layers": int(meta(reader, "qwen2.block_count")),
-        "num_attention_heads": int(meta(reader, "qwen2.attention.head_count")),
-        "num_key_value_heads": int(meta(reader, "qwen2.attention.head_count_kv")),
+        "hidden_size": _whole(reader, "qwen2.embedding_length"),
+        "intermediate_size": _whole(reader, "qwen2.feed_forward_length"),
+        "num_hidden_layers": _whole(reader, "qwen2.block_count"),
+        "num_attention_heads": _whole(reader, "qwen2.attention.head_count"),
+        "num_key_value_heads": _whole(reader, "qwen2.attention.head_count_kv"),
         "max_position_embeddings": context,
-        "rms_norm_eps": float(meta(reader, "qwen2.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta(reader, "qwen2.rope.freq_base", 1_000_000.0)),
+        "rms_norm_eps": _number(reader, "qwen2.attention.layer_norm_rms_epsilon"),
+        "rope_theta": _number(reader, "qwen2.rope.freq_base", 1_000_000.0),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensors,
         "use_sliding_window": False,
@@ -117,7 +140,7 @@ def _rope_scaling(reader: gguf.GGUFReader, context: int) -> dict[str, Any]:
     return {
         "rope_scaling": {
             "type": scaling,
-            "factor": float(meta(reader, "qwen2.rope.scaling.factor")),
+            "factor": _number(reader, "qwen2.rope.scaling.factor"),
             "original_max_position_embeddings": int(
                 meta(reader, "qwen2.rope.scaling.original_context_length", context)
             ),

@@ -14,7 +14,6 @@ torch and runs no code from the file.  Tokenizer files are copied unchanged.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -24,7 +23,16 @@ import mlx.core as mx
 
 from clp_mlx.errors import ClpError
 from clp_mlx.paths import atomic_folder
-from clp_mlx.sources.converting import Choices, check_output, empty_qwen2, load_and_quantize
+from clp_mlx.sources.converting import (
+    Choices,
+    check_output,
+    empty_qwen2,
+    json_kind,
+    load_and_quantize,
+    read_json,
+    write_marker,
+    writing,
+)
 from clp_mlx.sources.torch_zip import load_torch_file
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -49,13 +57,12 @@ TOKENIZER_FILES = (
 
 
 def _read_config(src: Path) -> dict[str, Any]:
-    path = src / "config.json"
-    if not path.is_file():
+    if not (src / "config.json").is_file():
         raise ClpError(f"{src} is not a Hugging Face model folder (no config.json)")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ClpError(f"{path} is not valid JSON: {e}") from None
+    path = inside(src, "config.json", "config")
+    config = read_json(path, "config")
+    if not isinstance(config, dict):
+        raise ClpError(f"{path} must hold a JSON object, not {json_kind(config)}")
     if config.get("model_type") != "qwen2":
         raise ClpError(
             f"{src}: model_type {config.get('model_type')!r} is not supported (only qwen2)"
@@ -73,20 +80,51 @@ def _weight_files(src: Path) -> list[Path]:
     ):
         index = src / index_name
         if index.is_file():
-            try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
-                raise ClpError(f"{index} is not a valid weight index ({e})") from None
-            missing = [n for n in names if not (src / n).is_file()]
+            names = _shard_names(inside(src, index_name, "weight index"))
+            paths = [inside(src, n, f"shard listed in {index_name}") for n in names]
+            missing = [n for n, path in zip(names, paths) if not path.is_file()]
             if missing:
                 raise ClpError(
                     f"{src}: shard(s) listed in {index_name} are missing: {', '.join(missing)}"
                 )
-            return [src / n for n in names]
-        files = sorted(src.glob(pattern))
+            return paths
+        files = [inside(src, f.name, "weight file") for f in sorted(src.glob(pattern))]
         if files:
             return files
     raise ClpError(f"{src} holds no weights (model*.safetensors or pytorch_model*.bin)")
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The distinct shard file names an ``*.index.json`` maps the weights to."""
+    weight_map = read_json(index, "weight index")
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ClpError(f"{index} is not a valid weight index (no weight_map of file names)")
+    return sorted(set(weight_map.values()))
+
+
+def _roots(src: Path) -> list[Path]:
+    """Where the files of ``src`` may really be: the folder, and for a Hugging
+    Face cache snapshot (files are links to ``../../blobs``) the repo's blobs."""
+    real = src.resolve()
+    return [real, real.parent.parent / "blobs"] if real.parent.name == "snapshots" else [real]
+
+
+def inside(src: Path, name: str, what: str) -> Path:
+    """``src / name``, refused unless it names a file inside ``src`` (no absolute
+    path, no ``..``, no link to elsewhere: an index or a link must not make the
+    converter read, and copy into its output, a file outside the model)."""
+    rel = Path(name)
+    if not name or "\0" in name or rel.is_absolute() or ".." in rel.parts:
+        raise ClpError(f"{src}: the {what} {name!r} is not a file name inside the model folder")
+    path = src / rel
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError) as e:  # a loop of links
+        raise ClpError(f"{src}: the {what} {name!r} cannot be followed ({e})") from None
+    if not any(real == root or root in real.parents for root in _roots(src)):
+        raise ClpError(f"{src}: the {what} {name!r} points outside the model folder (to {real})")
+    return path
 
 
 def _load_weights(files: list[Path], dtype: mx.Dtype) -> dict[str, mx.array]:
@@ -131,7 +169,7 @@ def _check_names(weights: dict[str, mx.array], model: Any) -> None:
 
 
 def _tokenizer_files(src: Path) -> list[str]:
-    present = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    present = [n for n in TOKENIZER_FILES if (src / n).is_file() and inside(src, n, "tokenizer file")]
     if not {"tokenizer.json", "vocab.json", "tokenizer.model"} & set(present):
         raise ClpError(f"{src} holds no tokenizer (tokenizer.json, or vocab.json + merges.txt)")
     return present
@@ -163,12 +201,10 @@ def convert_hf(
     Raises :class:`ClpError` for anything wrong with the input or the options.
     """
     _CHOICES.check(dtype, q_bits, q_group_size)
-    src, out = Path(src_dir), Path(out_dir)
+    src = Path(src_dir)
     if not src.is_dir():
         raise ClpError(f"{src} is not a folder")
-    check_output(out, force)
-    if out.exists() and out.resolve() == src.resolve():
-        raise ClpError("the output folder is the source folder")
+    out = check_output(out_dir, force, [src])
 
     # Cheap checks first: a bad folder fails before any weight is read.
     config = _read_config(src)
@@ -177,20 +213,19 @@ def convert_hf(
     model = _empty_model(src, config)
     from mlx_lm.utils import save_config, save_model  # heavy: only once the checks passed
 
-    with atomic_folder(out) as tmp:
+    options = {"dtype": dtype, "q_bits": q_bits, "q_group_size": q_group_size}
+    with writing(out), atomic_folder(out) as tmp:
         for name in tokenizer_files:
-            shutil.copy2(src / name, tmp / name)
+            shutil.copyfile(src / name, tmp / name)
         weights = model.sanitize(_load_weights(files, DTYPES[dtype]))
         _check_names(weights, model)
         model, config = load_and_quantize(model, weights, config, q_bits, q_group_size)
         save_model(tmp, model, donate_model=True)
         save_config(dict(config), tmp / "config.json")
+        write_marker(tmp, "hf", src.resolve(), **options)
     return out
 
 
 def _empty_model(src: Path, config: dict[str, Any]) -> Any:
     """The mlx-lm model ``config`` describes; a config it cannot build is the user's to fix."""
-    try:
-        return empty_qwen2(config)
-    except (TypeError, KeyError, ValueError) as e:
-        raise ClpError(f"{src}/config.json does not describe a Qwen2 model ({e})") from None
+    return empty_qwen2(config, f"{src}/config.json")

@@ -13,6 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import ClpError
 from ..paths import atomic_folder
 
 
@@ -34,6 +35,8 @@ def converted(out: Path, convert: Callable[[Path], Path]) -> Path:
     folder to ``out``."""
     if is_complete(out):
         return out
+    if out.is_symlink():
+        raise ClpError(f"{out} is a link to an incomplete model folder; remove the link")
     if out.is_dir():
         shutil.rmtree(out)  # not something this module wrote; it would block the rename
     try:

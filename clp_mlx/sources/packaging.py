@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..errors import ClpError
 from ..model.heads_files import read_config
 from ..paths import atomic_folder
+from .converting import made_heads_here, read_json, writing
 from .resolve import NAMED_MODELS
 
 SHIPPED = Path(__file__).resolve().parents[1] / "shipped"
@@ -45,18 +46,22 @@ def package_heads(src: str | Path, name: str, dest_root: str | Path | None = Non
     read_config(src)  # checks that src holds heads
     if not (src / "training.json").is_file():
         raise ClpError(f"{src} has no training.json: only trained heads with a report ship")
-    weights = mx.load(str(src / "heads.safetensors"))
+    meta, report = read_json(src / "heads.json", "heads file"), read_json(src / "training.json", "report")
+    if not isinstance(meta, dict) or not isinstance(report, dict):
+        raise ClpError(f"{src}: heads.json and training.json must each hold a JSON object")
+    try:
+        weights = mx.load(str(src / "heads.safetensors"))
+    except (RuntimeError, ValueError, OSError) as e:
+        raise ClpError(f"{src}/heads.safetensors cannot be read ({e})") from None
     half = {
         k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
         for k, v in weights.items()
     }
     dest = Path(SHIPPED if dest_root is None else dest_root) / name
-    with atomic_folder(dest) as tmp:
+    with writing(dest), atomic_folder(dest, ours=made_heads_here) as tmp:
         mx.save_safetensors(str(tmp / "heads.safetensors"), half)
-        meta = json.loads((src / "heads.json").read_text())
         meta["backbone"] = name
         (tmp / "heads.json").write_text(json.dumps(portable(meta), indent=1) + "\n")
-        report = json.loads((src / "training.json").read_text())
         (tmp / "training.json").write_text(json.dumps(portable(report), indent=1) + "\n")
         if (src / "training.png").is_file():
             shutil.copy(src / "training.png", tmp / "training.png")

@@ -27,7 +27,7 @@ import struct
 from pathlib import Path
 
 from ..errors import ClpError
-from ..paths import cache_root
+from ..paths import cache_root, sweep
 from .hub import snapshot
 from .model_cache import convert_gguf_file, convert_hf_folder, converted, fingerprint
 from .named import NAMED_MODELS, NamedModel, default_model_name, resolve_named
@@ -68,6 +68,22 @@ def resolve_model(
     """
     if dtype not in FLOAT_DTYPES:
         raise ClpError(f"unknown dtype {dtype!r}; choose from {', '.join(FLOAT_DTYPES)}")
+    try:
+        for folder in ("models", "gguf"):  # what killed runs left in the cache
+            sweep(cache_root() / folder, once=True)
+        return _resolve(spec, dtype, progress, offline)
+    except OSError as e:  # an unwritable cache, an unreadable file: the path and why
+        path = e.filename or cache_root()
+        hint = " (set CLP_MLX_HOME to a writable folder)" if _in(Path(path), cache_root()) else ""
+        raise ClpError(f"cannot use {path}: {e.strerror or e}{hint}") from None
+
+
+def _in(path: Path, folder: Path) -> bool:
+    path, folder = Path(os.path.abspath(path)), Path(os.path.abspath(folder))
+    return path == folder or folder in path.parents
+
+
+def _resolve(spec: str | None, dtype: str, progress: bool, offline: bool | None) -> Path:
     spec = default_model_name() if spec is None else spec.strip()
     named = NAMED_MODELS.get(spec.lower())
     if named is not None:

@@ -28,6 +28,7 @@ Frobenius distance <= 1e-3), or dropped with a warning when asked to.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from clp_mlx.errors import ClpError
+from clp_mlx.paths import replace_refusal
 from clp_mlx.sources.torch_zip import load_torch_file
 
 PROJECTION_RTOL = 1e-3
@@ -252,10 +254,15 @@ def convert_torch_heads(
 ) -> Path:
     """Convert a PyTorch head checkpoint for the MLX model in ``model_dir``; return ``out_dir``."""
     from clp_mlx.model.heads_files import bundle_from_arrays, save_heads
+    from clp_mlx.sources.converting import made_heads_here, writing
 
-    out, model_dir = Path(out_dir), Path(model_dir)
-    if out.exists() and not force:
-        raise ClpError(f"{out} exists; pass --force to replace it")
+    out, model_dir = Path(os.path.abspath(out_dir)), Path(model_dir)
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise ClpError(f"{out} exists; pass --force to replace it")
+        why = replace_refusal(out, made_heads_here, [Path(src), model_dir])
+        if why is not None:
+            raise ClpError(f"refusing to replace {out} (--force): {why}")
     state = load_head_state(src)
     if not (model_dir / "config.json").is_file():
         raise ClpError(f"{model_dir} is not an MLX model folder (no config.json)")
@@ -279,4 +286,5 @@ def convert_torch_heads(
         requantize=requantize,
     )
     bundle = bundle_from_arrays(arrays, model=model, name=model_dir.name)
-    return save_heads(bundle, out, force=force, extra={"converted_from": Path(src).name})
+    with writing(out):
+        return save_heads(bundle, out, force=force, extra={"converted_from": Path(src).name})
