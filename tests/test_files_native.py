@@ -29,7 +29,10 @@ _REPORT = (
 
 
 def _child(home: Path, **env: str) -> str:
-    full = {**os.environ, "CLP_MLX_HOME": str(home), **env}
+    # A fresh process as a user starts one: a preloaded BLAS (this run's own
+    # LD_PRELOAD) would shadow the kernel whose loading these tests are about.
+    parent = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    full = {**parent, "CLP_MLX_HOME": str(home), **env}
     done = subprocess.run([sys.executable, "-c", _REPORT], env=full, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()

@@ -159,3 +159,11 @@ def test_a_negative_tree_is_refused(model):
     heads = random_heads(model, 2, seed=0)
     with pytest.raises(ClpError, match="tree must be 0"):
         run([1, 2], model, heads, tree=-1)
+
+
+def test_a_draft_vocabulary_smaller_than_the_trees_branches(model):
+    prompt = prompt_of(9, 5)
+    ar = run(prompt, model, mode="ar", max_tokens=20)
+    heads = random_heads(model, 3, seed=2, scale=0.5, design="chain")
+    heads.set_draft_vocab([3, 7])  # 2 tokens; a 16-token tree asks head 1 for 5 branches
+    assert run(prompt, model, heads, max_tokens=20, tree=16, feed="all") == ar

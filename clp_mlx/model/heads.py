@@ -229,6 +229,7 @@ class MTPBundle(nn.Module):
         scores, ids = self._draft_scores(model, first)
         top = mx.argmax(scores, axis=-1) if width == 1 else mx.argsort(-scores[0])[:width]
         prev = top if ids is None else ids[top]
+        width = prev.shape[0]  # a draft vocabulary may hold fewer tokens than branches
         if self.k == 1:
             return prev[:, None]
         if self.config.design != "chain":
