@@ -1,0 +1,130 @@
+"""Hostile command lines (class 3): train, bench, bench_step, distill, generate's and
+chat's flags; each must end in one ``error:`` line (argparse: ``usage:``)."""
+
+from __future__ import annotations
+
+from hostile_cases_base import (
+    BENCH,
+    CHAT,
+    DISTILL,
+    STEP,
+    TINY_TRAIN,
+    TRAIN,
+    Inputs,
+    gen,
+    link,
+    put,
+    truncate,
+)
+from hostile_inputs import Batch
+
+# fmt: off
+STEP_FLAGS = [  # bench_step
+    ("k-0", "-k 0"), ("k-negative", "-k -1"), ("context-0", "--context 0"),
+    ("context-negative", "--context -5"), ("repeats-0", "--repeats 0"),
+    ("heads-missing", "--heads /nonexistent-hostile"),
+]
+DISTILL_FLAGS = [
+    ("prompts-0", "--prompts 0"), ("prompts-negative", "--prompts -1"),
+    ("shard-letters", "--shard a/b"), ("shard-over-zero", "--shard 1/0"),
+    ("shard-3-of-2", "--shard 3/2"), ("shard-three-parts", "--shard 0/2/3"),
+    ("heldout-2", "--heldout 2"), ("heldout-negative", "--heldout -0.5"),
+    ("heldout-nan", "--heldout nan"), ("batch-0", "--batch 0"),
+    ("shard-size-0", "--shard-size 0"), ("new-tokens-0", "--new-tokens 0"),
+    ("prompt-tokens-0", "--prompt-tokens 0"), ("data-missing", "--data /nonexistent-hostile"),
+]
+GENERATE_FLAGS = [  # (name, flags, allowed exit codes)
+    ("max-tokens-0", "-m 0", 1), ("max-tokens-negative", "-m -1", 1),
+    ("draft-0", "--num-draft-tokens 0", 1), ("draft-99", "--num-draft-tokens 99", 1),
+    ("tree-negative", "--tree -1", 1), ("temp-negative", "--temp -1", 1),
+    ("temp-nan", "--temp nan", 1), ("temp-inf", "--temp inf", (0, 1)),
+    ("top-p-0", "--top-p 0", 1), ("top-p-2", "--top-p 2", 1), ("top-p-nan", "--top-p nan", 1),
+    ("top-k-negative", "--top-k -1", 1), ("clp-threshold-2", "--clp-threshold 2", 1),
+    ("clp-threshold-nan", "--clp-threshold nan", 1), ("seed-negative", "--seed -1", (0, 1)),
+    ("seed-huge", f"--seed {2**70}", (0, 1)),
+    ("system-prompt-without-template", "--system-prompt x", 1),
+    ("mode-bogus", "--mode bogus", 2), ("dtype-bogus", "--dtype bogus", 2),
+    ("max-tokens-letters", "-m abc", 2), ("heads-missing", "--heads /nonexistent-hostile", 1),
+]
+# fmt: on
+
+
+def train_cmd(batch: Batch, s: Inputs) -> None:
+    def case(name, *argv, expect=(1,), data=None):
+        c = batch.new(f"train/{name}", "3")
+        d = link(s.text, c.inp / "data.txt") if data is None else data(c)
+        out = ["--out", c.inp / "out", "--work-dir", c.inp / "work"]
+        c.cli(TRAIN, "--model", s.model, "--data", d, *out, *TINY_TRAIN, *argv, expect=expect)
+        c.may_change = ["in/out", "in/work"]
+        return c
+
+    case("data-missing", data=lambda c: c.inp / "nothing.txt")
+    case("data-is-a-folder", data=lambda c: c.inp)
+    case("data-empty", data=lambda c: put(c.inp / "data.txt", ""))
+    not_utf8 = bytes(range(128, 256)) * 40
+    case("data-not-utf8", data=lambda c: put(c.inp / "data.txt", not_utf8), expect=(0, 1))
+    case("draft-vocab-negative", "--draft-vocab", "-1")
+    case("lr-nan", "--lr", "nan", expect=(0, 1))
+    case("k-zero", "--k", "0")
+    c = batch.new("train/eval-heads-truncated", "3")
+    h = link(s.heads, c.inp / "heads")
+    truncate(h / "heads.safetensors", 100)
+    data, work = link(s.text, c.inp / "data.txt"), ["--work-dir", c.inp / "work"]
+    c.cli(TRAIN, "--eval", "--model", s.model, "--heads", h, "--data", data, *work, *TINY_TRAIN)
+    c.may_change = ["in/work"]
+    c = batch.new("train/work-dir-is-a-file", "3")
+    data, out = link(s.text, c.inp / "data.txt"), ["--out", c.inp / "out"]
+    work = ["--work-dir", put(c.inp / "file", "x")]
+    c.cli(TRAIN, "--model", s.model, "--data", data, *out, *work, *TINY_TRAIN)
+
+
+def bench_cmds(batch: Batch, s: Inputs) -> None:
+    def case(name, prompts=None, *argv, expect=(1,)):
+        c = batch.new(f"bench/{name}", "3")
+        src = ["--prompts", put(c.inp / "p.jsonl", prompts)] if prompts is not None else []
+        c.cli(BENCH, "--model", s.model, "--heads", "init", "--quick", *src, *argv, expect=expect)
+        return c
+
+    case("prompts-not-utf8", b"\xff\xfe hello\n\x80\x81\n", expect=(0, 1))
+    case("prompts-json-list", "[1, 2]\n")
+    case("prompts-prompt-number", '{"prompt": 5}\n')
+    case("prompts-turns-empty", '{"turns": []}\n')
+    case("prompts-empty-file", "")
+    case("modes-bogus", "hello\n", "--modes", "bogus")
+    case("num-prompts-0", "hello\n", "--num-prompts", "0")
+    case("json-in-missing-folder", "hello\n", "--json", "/nonexistent-hostile/x.json")
+    case("draft-tokens-0", "hello\n", "--draft-tokens", "0")
+    case("chat-template-bogus", "hello\n", "--chat-template", "bogus")
+    c = case("plots-is-a-file", "hello\n")
+    c.spec["argv"] += ["--plots", str(put(c.inp / "plots", "x"))]
+    c = case("wikitext-empty")
+    c.spec["argv"] += ["--wikitext", str(put(c.inp / "w.raw", ""))]
+    for name, flags in STEP_FLAGS:
+        c = batch.new(f"bench-step/{name}", "3")
+        c.cli(STEP, "--model", s.model, "--repeats", "1", *flags.split())
+
+
+def distill_cmd(batch: Batch, s: Inputs) -> None:
+    for name, flags in DISTILL_FLAGS:
+        c = batch.new(f"distill/{name}", "3")
+        data = link(s.text, c.inp / "data.txt")
+        out = ["--out", c.inp / "out", "--kind", "wikitext", "--data", data]
+        small = ["--prompts", "2", "--new-tokens", "2", "--quiet"]
+        c.cli(DISTILL, "--model", s.model, *out, *small, *flags.split())
+    c = batch.new("distill/code-without-python-files", "3")
+    (c.inp / "empty").mkdir()
+    out = ["--out", c.inp / "out", "--kind", "code", "--data", c.inp / "empty"]
+    c.cli(DISTILL, "--model", s.model, *out, "--prompts", "2", "--quiet")
+
+
+def decode_flags(batch: Batch, s: Inputs) -> None:
+    for name, flags, expect in GENERATE_FLAGS:
+        c = batch.new(f"flags/{name}", "3")
+        gen(c, s.model, *flags.split(), expect=expect if isinstance(expect, tuple) else (expect,))
+    c = batch.new("flags/heads-is-a-file", "3")
+    gen(c, s.model, "--heads", s.text)
+    for name, size in [("max-kv-size-1", "1"), ("max-kv-size-negative", "-3")]:
+        c = batch.new(f"chat-flags/{name}", "3")
+        c.cli(CHAT, "--model", s.chat_model, "--heads", "init", "--max-kv-size", size, stdin=b"q\n")
+    c = batch.new("chat-flags/model-without-template", "3")
+    c.cli(CHAT, "--model", s.model, "--heads", "init", stdin=b"q\n")
