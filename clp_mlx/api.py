@@ -22,7 +22,7 @@ from .decode.steps import DecodeStats, tokens_of
 from .errors import ClpError
 from .model.tokens import encode
 from .model.heads import MTPBundle
-from .model.heads_files import init_heads, load_heads
+from .model.heads_files import SHIPPED, init_heads, load_heads
 from .decode.sampling import Sampling
 
 DEFAULT_K = 3  # drafts per step for --heads init; trained heads record their own
@@ -100,7 +100,7 @@ def shipped_heads(model: str | None) -> Path | None:
     from .sources.resolve import NAMED_MODELS, default_model_name
 
     name = (model or default_model_name()).lower()
-    folder = Path(__file__).parent / "shipped" / name
+    folder = SHIPPED / name
     return folder if name in NAMED_MODELS and (folder / "heads.json").is_file() else None
 
 

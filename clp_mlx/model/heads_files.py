@@ -105,6 +105,7 @@ def save_heads(
 
 
 HEADS_FILES = ("heads.json", "heads.safetensors", "training.json", "training.png")
+SHIPPED = Path(__file__).resolve().parents[1] / "shipped"  # heads packaged with clp-mlx
 
 
 def holds_only_heads(folder: Path) -> bool:

@@ -25,7 +25,6 @@ from clp_mlx.paths import replace_refusal
 
 MARKER = "made_from.json"  # in every folder a converter writes: what --force may replace
 _INT_MAX = 2**31 - 1  # MLX's shapes are 32-bit
-HEADS_FILES = ("heads.json", "heads.safetensors", "training.json", "training.png")
 MAX_LAYERS = 4096  # Qwen2's largest has 80; a bigger count is a broken config, not a model
 
 
@@ -89,20 +88,6 @@ def made_here(folder: Path) -> bool:
     if not isinstance(files, list):
         return False
     return all(name in files or name == MARKER for name in present) and not any(present.values())
-
-
-def made_heads_here(folder: Path) -> bool:
-    """Whether ``folder`` holds clp-mlx heads and nothing else (what ``save_heads``
-    and training write): --force may replace it."""
-    from clp_mlx.model.heads import FORMAT
-
-    try:
-        meta = json.loads((folder / "heads.json").read_text(encoding="utf-8"))
-        present = [p for p in folder.iterdir()]
-    except (OSError, ValueError, RecursionError):
-        return False
-    return (isinstance(meta, dict) and meta.get("format") == FORMAT
-            and all(p.name in HEADS_FILES and not p.is_dir() for p in present))
 
 
 def read_json(path: Path, what: str = "file") -> Any:

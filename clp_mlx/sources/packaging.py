@@ -19,10 +19,10 @@ import mlx.core as mx
 from ..errors import ClpError
 from ..model.heads_files import read_config
 from ..paths import atomic_folder
-from .converting import made_heads_here, read_json, writing
+from ..model.heads_files import SHIPPED, holds_only_heads
+from .converting import read_json, writing
 from .resolve import NAMED_MODELS
 
-SHIPPED = Path(__file__).resolve().parents[1] / "shipped"
 
 
 def portable(value):
@@ -58,7 +58,7 @@ def package_heads(src: str | Path, name: str, dest_root: str | Path | None = Non
         for k, v in weights.items()
     }
     dest = Path(SHIPPED if dest_root is None else dest_root) / name
-    with writing(dest), atomic_folder(dest, ours=made_heads_here) as tmp:
+    with writing(dest), atomic_folder(dest, ours=holds_only_heads) as tmp:
         mx.save_safetensors(str(tmp / "heads.safetensors"), half)
         meta["backbone"] = name
         (tmp / "heads.json").write_text(json.dumps(portable(meta), indent=1) + "\n")

@@ -254,13 +254,14 @@ def convert_torch_heads(
 ) -> Path:
     """Convert a PyTorch head checkpoint for the MLX model in ``model_dir``; return ``out_dir``."""
     from clp_mlx.model.heads_files import bundle_from_arrays, save_heads
-    from clp_mlx.sources.converting import made_heads_here, writing
+    from clp_mlx.model.heads_files import holds_only_heads
+    from clp_mlx.sources.converting import writing
 
     out, model_dir = Path(os.path.abspath(out_dir)), Path(model_dir)
     if out.exists() or out.is_symlink():
         if not force:
             raise ClpError(f"{out} exists; pass --force to replace it")
-        why = replace_refusal(out, made_heads_here, [Path(src), model_dir])
+        why = replace_refusal(out, holds_only_heads, [Path(src), model_dir])
         if why is not None:
             raise ClpError(f"refusing to replace {out} (--force): {why}")
     state = load_head_state(src)
