@@ -11,7 +11,6 @@ import inspect
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -22,7 +21,7 @@ from .decode.steps import DecodeStats, tokens_of
 from .errors import ClpError
 from .model.tokens import encode
 from .model.heads import MTPBundle
-from .model.heads_files import SHIPPED, init_heads, load_heads
+from .model.heads_files import find_heads, init_heads, load_heads
 from .decode.sampling import Sampling
 
 DEFAULT_K = 3  # drafts per step for --heads init; trained heads record their own
@@ -56,14 +55,16 @@ def load(
 
     ``model``: a named default, an MLX or Hugging Face folder, a GGUF file or
     a Hub repo id (None: the default model). ``heads``: a heads folder,
-    ``"init"`` for untrained heads as initialised for training (seeded), or
-    None for the heads shipped with a named default model, if any. Folders
+    ``"init"`` for untrained heads as initialised for training (seeded),
+    ``"none"`` for none (verify then drafts from the context alone), or None
+    for the first heads made for these weights (:func:`find_heads`: yours in
+    ``<cache>/drafters``, then those shipped with clp-mlx), if any. Folders
     may be given as paths (``os.PathLike``).
     """
     from .sources.resolve import resolve_model
 
     model = _spec(model, "model", "a named model, a folder, a .gguf file or a Hub repo id")
-    heads = _spec(heads, "heads", "a heads folder or 'init'")
+    heads = _spec(heads, "heads", "a heads folder, 'init' or 'none'")
     dtype = dtype or backbone.default_dtype()
     if dtype not in backbone.DTYPES:
         raise ClpError(f"unknown dtype {dtype!r}; choose from {sorted(backbone.DTYPES)}")
@@ -72,10 +73,12 @@ def load(
     if heads == "init":
         k = DEFAULT_K if num_draft_tokens is None else num_draft_tokens
         bundle = init_heads(net, k, seed=seed, name=str(model or ""))
+    elif heads == "none":
+        bundle = None
     elif heads is not None:
         bundle = load_heads(heads, net)
     else:
-        found = shipped_heads(model)
+        found = find_heads(net)
         bundle = load_heads(found, net) if found is not None else None
     return net, tokenizer, bundle
 
@@ -93,15 +96,6 @@ def _spec(value, what: str, means: str) -> str | None:
     if not text.strip():
         raise ClpError(f"{what} is empty: give {means} (--{what})")
     return text
-
-
-def shipped_heads(model: str | None) -> Path | None:
-    """The trained heads packaged for a named default model, if there are any."""
-    from .sources.resolve import NAMED_MODELS, default_model_name
-
-    name = (model or default_model_name()).lower()
-    folder = SHIPPED / name
-    return folder if name in NAMED_MODELS and (folder / "heads.json").is_file() else None
 
 
 def decode_config(
@@ -140,6 +134,7 @@ def stream_generate(
     *,
     config: DecodeConfig | None = None,
     prompt_cache=None,
+    context=None,
     **options,
 ):
     """Yield a :class:`Response` per token; the last one has a finish reason.
@@ -150,7 +145,9 @@ def stream_generate(
     ``clp_threshold``, ``tree``); see :class:`clp_mlx.decode.config.DecodeConfig`
     for what each means. ``temp`` 0 is greedy; ``verify`` samples exactly from
     the backbone's distribution. ``prompt_cache`` is extended in place: see
-    :func:`clp_mlx.decode.loop.decode` for what it holds after.
+    :func:`clp_mlx.decode.loop.decode` for what it holds after. ``context``:
+    the tokens ``prompt_cache`` already holds (earlier turns), for context
+    drafts to copy from.
     """
     if config is not None and options:
         raise ClpError(f"pass either config or options, not both ({', '.join(options)})")
@@ -159,10 +156,10 @@ def stream_generate(
         raise ClpError(f"unknown option {', '.join(unknown)}; see clp_mlx.api.decode_config")
     config = (config or decode_config(**options)).resolve(model, heads)
     tokens = encode(tokenizer, prompt)
-    stats = DecodeStats(config.mode, heads.k if config.mode != "ar" else 0)
+    stats = DecodeStats(config.mode, config.draft_len or 0)
     detok = tokenizer.detokenizer
     detok.reset()
-    pairs = tokens_of(stats.counting(decode(tokens, model, heads, config, prompt_cache=prompt_cache)))
+    pairs = tokens_of(stats.counting(decode(tokens, model, heads, config, prompt_cache=prompt_cache, context=context)))
     max_tokens = config.max_tokens
     tic = time.perf_counter()
     prompt_tps = 0.0

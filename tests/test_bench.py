@@ -241,15 +241,18 @@ def test_models_without_heads(tmp_path, capsys):
     one = write_model_folder(tmp_path / "one", tiny_model(0))
     two = write_model_folder(tmp_path / "two", tiny_model(1, layers=1))
     (tmp_path / "p.txt").write_text("ab\n")
-    argv = ["--prompts", str(tmp_path / "p.txt"), "--modes", "ar", "verify", "mlx-lm", "-m", "4"]
-    with pytest.raises(ClpError, match="verify needs heads"):
+    modes = ["ar", "verify", "clp", "verify-heads", "mlx-lm"]
+    argv = ["--prompts", str(tmp_path / "p.txt"), "--modes", *modes, "-m", "4"]
+    with pytest.raises(ClpError, match="clp needs heads"):
         main(["--model", str(one), *argv])  # one model: a mistake to fix
     out = tmp_path / "out.json"
     assert main(["--model", str(one), str(two), *argv, "--json", str(out)]) == 0
     for entry in json.loads(out.read_text())["models"]:  # several: skipped, with a note
-        assert list(entry["results"]) == ["ar", "mlx-lm"] and entry["heads"] is None
-        assert "skipped verify" in entry["notes"][0]
-    assert "note: skipped verify" in capsys.readouterr().out
+        # verify runs on context drafts; what needs heads is skipped
+        assert list(entry["results"]) == ["ar", "verify", "mlx-lm"] and entry["heads"] is None
+        assert entry["results"]["verify"]["identical_to_ar"] == 1.0
+        assert "skipped clp, verify-heads" in entry["notes"][0]
+    assert "note: skipped clp, verify-heads" in capsys.readouterr().out
 
 
 def test_bench_step_reports_the_pass_widths_and_the_host_work(tmp_path, capsys):

@@ -99,8 +99,9 @@ def test_draft_tokens_in_ar_mode_are_refused(model):
     heads = init_heads(model, 2)
     with pytest.raises(ClpError, match="mode ar"):
         DecodeConfig(mode="ar", draft_len=2).resolve(model, heads)
-    with pytest.raises(ClpError, match="--heads"):  # no heads: ar, where drafts mean nothing
-        DecodeConfig(draft_len=2).resolve(model, None)
+    with pytest.raises(ClpError, match="mode ar"):
+        DecodeConfig(mode="ar", draft_len=2).resolve(model, None)
+    assert DecodeConfig(draft_len=2).resolve(model, None).draft_len == 2  # copies, no heads
     assert DecodeConfig(mode="ar").resolve(model, heads).mode == "ar"
     assert DecodeConfig(draft_len=1).resolve(model, heads).draft_len == 1
 

@@ -76,7 +76,7 @@ def counts_of(samples) -> np.ndarray:
     return counts
 
 
-def decode_samples(model, heads, mode, n, s=TEMP, stats=None):
+def decode_samples(model, heads, mode, n, s=TEMP, stats=None, **options):
     """n four-token continuations of PROMPT, seeds 0..n-1, one cache reused."""
     cache = make_prompt_cache(model)
     hidden_states(model, mx.array(PROMPT[:-1]), cache)
@@ -91,6 +91,7 @@ def decode_samples(model, heads, mode, n, s=TEMP, stats=None):
             prompt_cache=cache,
             stats=stats,
             sampling=Sampling(s.temp, s.top_p, s.top_k, seed=seed),
+            **options,
         )
         out.append([t for t, _ in gen])
         trim_prompt_cache(cache, cache[0].offset - (len(PROMPT) - 1))

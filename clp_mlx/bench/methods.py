@@ -71,8 +71,11 @@ def method_config(method: str) -> DecodeConfig | None:
 
 
 def needs_heads(method: str) -> bool:
+    """Whether a method needs heads (verify runs on context drafts without them)."""
     config = method_config(method)
-    return config is not None and config.mode != "ar"
+    if config is None or config.mode == "ar":
+        return False
+    return config.mode != "verify" or config.context_drafts is False
 
 
 @dataclass
@@ -121,7 +124,7 @@ class Start:
 
 def _ours(model, heads, start, method, max_tokens):
     config = replace(method_config(method), max_tokens=max_tokens).resolve(model, heads)
-    stats = DecodeStats(config.mode, heads.k if config.mode != "ar" else 0)
+    stats = DecodeStats(config.mode, config.draft_len or 0)
     steps = decode(
         start.ids[-1:], model, heads, config, prompt_cache=start.cache, context=start.ids[:-1]
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 from typing import Callable, Sequence
 
@@ -127,7 +128,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--heads",
         default=None,
-        help="heads folder, or 'init' for untrained heads (default: the heads shipped with the model, if any)",
+        help="heads folder, 'init' for untrained heads, or 'none': context drafts only "
+        "(default: heads made for these weights, found in the cache's drafters folder or "
+        "shipped with clp-mlx)",
     )
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on CPU, float16 on GPU"
@@ -137,9 +140,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_decode_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
     """The options of :class:`DecodeConfig`, as flags (shared by generate and chat)."""
     p.add_argument("--max-tokens", "-m", type=int, default=max_tokens)
-    p.add_argument("--mode", choices=MODES, default=None, help="default: verify with heads, ar without")
+    p.add_argument("--mode", choices=MODES, default=None, help="default: verify (without heads: on context drafts)")
     p.add_argument(
-        "--num-draft-tokens", type=int, default=None, help="drafts per step (default: all the heads' k)"
+        "--num-draft-tokens", type=int, default=None, help="drafts per step (default: all the heads' k; without heads, up to 6 copied tokens)"
     )
     p.add_argument(
         "--verify-feed",
@@ -198,10 +201,27 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
     )
 
 
-def load_model(args: argparse.Namespace):
-    """(model, tokenizer, heads) as --model, --heads, --dtype, --num-draft-tokens and --seed ask."""
+def load_model(args: argparse.Namespace, config: DecodeConfig):
+    """(model, tokenizer, heads, ``config`` resolved for them) as --model,
+    --heads, --dtype, --num-draft-tokens and --seed ask."""
     from ..api import load
 
-    return load(
+    model, tokenizer, heads = load(
         args.model, args.heads, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens, seed=args.seed
+    )
+    return model, tokenizer, heads, config.resolve(model, heads)
+
+
+def no_drafter_note(args: argparse.Namespace, heads, config: DecodeConfig) -> str | None:
+    """What a command says, once (once its input has passed), when it looked
+    for heads for a mode that drafts and found none; None otherwise."""
+    from ..paths import cache_root
+
+    if heads is not None or args.heads is not None or config.mode == "ar":
+        return None
+    spec = f" --model {shlex.quote(args.model)}" if args.model else ""
+    out = shlex.quote(str(cache_root() / "drafters" / "NAME"))
+    return (
+        "note: no matching drafter for this model; drafting from the context only. "
+        f"Train one: python -m clp_mlx.train{spec} --data TEXT_FILES --out {out}"
     )

@@ -132,11 +132,11 @@ def _methods_for(args, spec, model, heads, draft) -> tuple[list, list]:
         skipped = [m for m in args.modes if needs_heads(m)]
     if skipped and len(args.model) == 1:
         raise ClpError(
-            f"mode {skipped[0]} needs heads and this model has no shipped heads: "
+            f"mode {skipped[0]} needs heads and none were made for this model: "
             "pass --heads FOLDER or --heads init"
         )
     if skipped:
-        notes.append(f"skipped {', '.join(skipped)}: {spec} has no shipped heads")
+        notes.append(f"skipped {', '.join(skipped)}: no heads were made for {spec}")
     if draft is not None and (spec == args.draft_model or _size(model) <= _size(draft)):
         why = "is the draft model" if spec == args.draft_model else "is not bigger than the draft"
         notes.append(f"skipped mlx-lm-draft: {spec} {why}")
@@ -146,7 +146,8 @@ def _methods_for(args, spec, model, heads, draft) -> tuple[list, list]:
 
 def _one_model(args, spec, texts, kind, draft) -> dict:
     """Benchmark one model, print its table; its entry of the JSON."""
-    from ..api import load, shipped_heads
+    from ..api import load
+    from ..model.heads_files import find_heads
     from ..sources.resolve import default_model_name
 
     model, tokenizer, heads = load(spec, args.heads)
@@ -171,7 +172,7 @@ def _one_model(args, spec, texts, kind, draft) -> dict:
     return {
         "model": name,
         "weights_dtype": weights_dtype(model),
-        "heads": None if heads is None else str(args.heads or shipped_heads(spec)),
+        "heads": None if heads is None else str(args.heads or find_heads(model)),
         "k": heads.k if heads is not None else 0,
         "chat_template": templated,
         "mean_prompt_tokens": round(statistics.mean(len(x) for x in ids), 1),

@@ -32,7 +32,15 @@ from ..decode.config import MODES, DecodeConfig
 from ..errors import ClpError
 from ..model.backbone import context_length
 from ..model.tokens import prompt_ids
-from .args import add_decode_args, add_model_args, decode_config, load_model, parser, run
+from .args import (
+    add_decode_args,
+    add_model_args,
+    decode_config,
+    load_model,
+    no_drafter_note,
+    parser,
+    run,
+)
 from .conversation import Conversation, template_pieces, turn_line
 
 __all__ = ["Conversation", "answer", "main", "template_pieces"]
@@ -86,12 +94,13 @@ def answer(conv: Conversation, text: str, config: DecodeConfig, heads, limit: in
         return
     carried = len(conv.unfed)
     prompt, _ = prompt_ids(conv.unfed + new, conv.model, conv.cached)  # before any change
+    held = conv.tokens[: conv.cached]  # earlier turns, for context drafts to copy from
     conv.tokens += new
     max_tokens = min(config.max_tokens, room)
     last, interrupted = None, False
     turn = replace(config, max_tokens=max_tokens)
     stream = stream_generate(
-        conv.model, conv.tokenizer, prompt, heads, config=turn, prompt_cache=conv.cache
+        conv.model, conv.tokenizer, prompt, heads, config=turn, prompt_cache=conv.cache, context=held
     )
     with ctrl_c_stops_the_answer() as pressed, contextlib.closing(stream):
         try:
@@ -135,18 +144,22 @@ def main(argv=None) -> int:
     if args.max_kv_size is not None and args.max_kv_size < 2:
         raise ClpError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
     mx.random.seed(args.seed)
-    model, tokenizer, heads = load_model(args)
+    model, tokenizer, heads, resolved = load_model(args, config)
     if tokenizer.chat_template is None:
         raise ClpError("this model has no chat template; use clp_mlx.generate")
-    config = replace(config, mode=config.resolve(model, heads).mode)
+    config = replace(config, mode=resolved.mode)
     context = context_length(model)
     if args.max_kv_size and context and args.max_kv_size > context:
         raise ClpError(f"--max-kv-size {args.max_kv_size} is more than this model's context ({context})")
     limit = args.max_kv_size or context
     conv = Conversation(model, tokenizer, args.system_prompt)
     sampling = f"temp {args.temp}, top-p {args.top_p}, top-k {args.top_k}"
-    k = heads.k if heads is not None else 0
-    print(f"[mode {config.mode}, k={k} | {sampling if args.temp else 'greedy'} | context {limit}]")
+    k = resolved.draft_len or 0
+    drafts = "" if heads is not None or not k else " context drafts"
+    print(f"[mode {config.mode}, k={k}{drafts} | {sampling if args.temp else 'greedy'} | context {limit}]")
+    note = no_drafter_note(args, heads, resolved)
+    if note:
+        print(f"[{note}]")
     print("[h for help, q or Ctrl-D to quit]")
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())

@@ -11,7 +11,15 @@ import sys
 from ..api import print_stats, stream_generate
 from ..errors import ClpError
 from ..model.tokens import check_text
-from .args import add_decode_args, add_model_args, decode_config, load_model, parser, run
+from .args import (
+    add_decode_args,
+    add_model_args,
+    decode_config,
+    load_model,
+    no_drafter_note,
+    parser,
+    run,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -64,10 +72,14 @@ def main(argv=None) -> int:
     config = decode_config(args)
     if args.prompt is None:
         raise ClpError("no prompt: pass --prompt/-p TEXT (or '-' to read stdin)")
-    model, tokenizer, heads = load_model(args)
+    model, tokenizer, heads, resolved = load_model(args, config)
     prompt = _prompt_text(args, tokenizer)
+    note = no_drafter_note(args, heads, resolved)
     last = None
     for last in stream_generate(model, tokenizer, prompt, heads, config=config):
+        if note:  # once decoding has begun: a bad prompt gets its error line alone
+            print(note, file=sys.stderr)
+            note = None
         print(last.text, end="", flush=True)
     print()
     if args.verbose and last is not None:

@@ -18,6 +18,8 @@ from ..native import padrows
 from .sampling import Sampling
 
 MODES = ("ar", "clp", "fixed", "gate", "prior-mtp", "verify")
+CONTEXT_K = 6  # drafts per step, at most, from the context alone (no heads)
+MAX_CONTEXT_K = 15  # a pass feeds at most 16 tokens
 FEEDS = ("all", "clp", "cost")  # how many drafts greedy verify feeds; see feed.py
 
 
@@ -26,19 +28,20 @@ class DecodeConfig:
     """How to decode. ``None`` fields are filled by :meth:`resolve`."""
 
     # ar, the paper's clp / fixed / gate / prior-mtp, or lossless verify.
-    # None: verify when there are heads, else ar.
+    # None: verify (with no heads, it drafts from the context alone).
     mode: str | None = None
     max_tokens: int = 256
-    # Drafts per step, 1..k. None: all k the heads draft (the paper's horizon).
+    # Drafts per step, 1..k. None: all k the heads draft (the paper's horizon);
+    # with no heads, up to CONTEXT_K copied tokens.
     # Given with mode ar (which drafts nothing) it is refused, never ignored.
     draft_len: int | None = None
     # Greedy verify: feed the draft count with the most expected tokens per
     # unit of pass time ("cost"), as many as CLP expects to pass ("clp"), or
     # every draft ("all"). The output is the same; only the speed differs.
     feed: str = "cost"
-    # Copy drafts from the context where it repeats (heads fitted for it,
-    # greedy). None: on in verify, off in clp, where one unchecked wrong copy
-    # can send the backbone into a loop.
+    # Copy drafts from the context where it repeats. None: on in verify, off
+    # in clp, where one unchecked wrong copy can send the backbone into a
+    # loop. With heads, only heads fitted for it (and clp only greedy).
     context_drafts: bool | None = None
     # Greedy verify: a step feeding 2+ drafts feeds a token tree of up to
     # this many tokens; 0 feeds a chain. None: the padded width where wide
@@ -80,17 +83,21 @@ class DecodeConfig:
         (None for none), or ClpError saying what does not fit."""
         if heads is not None and not isinstance(heads, MTPBundle):
             raise ClpError(f"heads must be what clp_mlx.load gives (or None), not {type(heads).__name__}")
-        mode = self.mode or ("verify" if heads is not None else "ar")
+        mode = self.mode or "verify"
         if mode == "ar" and self.draft_len is not None:
             raise ClpError(
                 "--num-draft-tokens (draft_len) drafts nothing in mode ar: drop it, or pick a "
                 f"mode that drafts ({', '.join(m for m in MODES if m != 'ar')})"
-                + ("" if self.mode else " with --heads")
             )
         if mode == "ar":
             return replace(self, mode=mode, context_drafts=False, tree=0)
+        tree = self.tree
+        if tree is None:
+            tree = padrows.ROWS if padrows.is_padded(model) else 0
+        if not (self.greedy and mode == "verify"):
+            tree = 0
         if heads is None:
-            raise ClpError(f"mode {mode!r} needs heads (pass --heads, or --heads init)")
+            return self._copies_only(mode, tree)
         part = {"gate": "gate", "prior-mtp": "head0"}.get(mode)
         if part and part not in heads:
             raise ClpError(f"these heads have no {part} for mode {mode!r}")
@@ -98,10 +105,24 @@ class DecodeConfig:
         if not 1 <= n <= heads.k:
             raise ClpError(f"draft_len must be in 1..{heads.k} for these heads, got {n} (--num-draft-tokens)")
         wanted = self.context_drafts if self.context_drafts is not None else mode == "verify"
-        context = self.greedy and mode in ("clp", "verify") and bool(heads.config.lookup) and wanted
-        tree = self.tree
-        if tree is None:
-            tree = padrows.ROWS if padrows.is_padded(model) else 0
-        if not (self.greedy and mode == "verify"):
-            tree = 0
-        return replace(self, mode=mode, draft_len=n, context_drafts=context, tree=tree)
+        fits = bool(heads.config.lookup) and (mode == "verify" or (mode == "clp" and self.greedy))
+        return replace(self, mode=mode, draft_len=n, context_drafts=fits and wanted, tree=tree)
+
+    def _copies_only(self, mode: str, tree: int) -> "DecodeConfig":
+        """Resolved for no heads: verify with context drafts alone."""
+        if mode != "verify":
+            raise ClpError(
+                f"mode {mode!r} needs heads (pass --heads, or --heads init); "
+                "verify runs without them, on context drafts"
+            )
+        if self.context_drafts is False:
+            raise ClpError(
+                "with no heads verify drafts only from the context: turn context drafts "
+                "on (--context-drafts), pass --heads, or use --mode ar"
+            )
+        n = CONTEXT_K if self.draft_len is None else self.draft_len
+        if not 1 <= n <= MAX_CONTEXT_K:
+            raise ClpError(
+                f"draft_len must be in 1..{MAX_CONTEXT_K} for context drafts, got {n} (--num-draft-tokens)"
+            )
+        return replace(self, mode=mode, draft_len=n, context_drafts=True, tree=tree)

@@ -10,11 +10,14 @@ A strategy never asks which drafter it holds. Per step it
    (:meth:`Drafter.candidates`, best first).
 
 Sampling strategies draw drafts inside the pass instead, with the
-distributions they were drawn from (:meth:`Drafter.draft`).
+distributions they were drawn from (:meth:`Drafter.draft`), or, for a
+drafter that drafts after the pass, ask it for a proposal and the
+distribution behind it (:meth:`Drafter.proposal`; a copy is a point mass).
 
-Implementations: :class:`HeadsDrafter` (the MTP heads) and
-:class:`CopyThenHeads` (copies from the context where it has a match,
-:mod:`.lookup`, the heads elsewhere). A new drafter implements these methods.
+Implementations: :class:`HeadsDrafter` (the MTP heads), :class:`CopyThenHeads`
+(copies from the context where it has a match, :mod:`.lookup`, the heads
+elsewhere) and :class:`CopyDrafter` (copies only: any model, no training).
+A new drafter implements these methods.
 """
 
 from __future__ import annotations
@@ -24,16 +27,19 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from .lookup import ContextDrafter
+from .lookup import ContextDrafter, CopyOdds
 
 
 @dataclass
 class PassDrafts:
     """The drafter's part of a pass, at the position that drafts (lazy until read)."""
 
-    h: mx.array  # (1, d) the backbone's hidden state there
-    scores: mx.array  # (k+1,) CLP's scores for accepting 0..k drafts
+    h: mx.array | None  # (1, d) the backbone's hidden state there (None: not needed)
+    scores: mx.array | None  # (k+1,) CLP's scores for accepting 0..k drafts (None: no CLP)
     branches: mx.array | None  # (width, k) drafts made inside the pass, or None
+
+    def lazy(self) -> list[mx.array]:
+        return [x for x in (self.h, self.scores, self.branches) if x is not None]
 
 
 class Drafter(Protocol):
@@ -63,6 +69,10 @@ class Drafter(Protocol):
     def draft(self, h: mx.array, b: mx.array, sampler=None):
         """Drafts (rows, k) drawn inside the pass, and their logits (rows, k, V)
         when ``sampler`` draws them (None: greedy, logits None)."""
+
+    def proposal(self, depth: int, sampler) -> tuple[list[int], mx.array | None]:
+        """After :meth:`observe`, for sampling: up to ``depth`` drafts and the
+        logits (m, V) they were drawn from; None: each is a point mass."""
 
 
 class HeadsDrafter:
@@ -101,6 +111,11 @@ class HeadsDrafter:
             b = mx.array([self._b], dtype=mx.uint32)
             branches = self.heads.draft_branches(self.model, self._got.h, b, min(count, self.width))
         return [branch[:depth] for branch in branches.tolist()[:count]]
+
+    def proposal(self, depth, sampler):
+        b = mx.array([self._b], dtype=mx.uint32)
+        drafts, logits = self.heads.draft(self.model, self._got.h, b, sampler)
+        return drafts[0, :depth].tolist(), logits[0, :depth]
 
     def draft(self, h, b, sampler=None):
         # Greedy drafts go through the draft vocabulary (a slice of the output
@@ -151,14 +166,67 @@ class CopyThenHeads:
             return [self._copied[:depth]]
         return self.copies.candidates(depth, count)
 
+    def proposal(self, depth, sampler):
+        if self._copied is None:
+            return self.heads.proposal(depth, sampler)
+        return self._copied[:depth], None
+
     def draft(self, h, b, sampler=None):
         return self.heads.draft(h, b, sampler)
+
+
+class CopyDrafter:
+    """Context drafts only, for a model with no trained drafter (prompt lookup decoding).
+
+    Nothing runs in the pass. Where the context has no match the step feeds
+    the backbone's token alone, a plain step; where it has one, the odds
+    learnt so far (:class:`.lookup.CopyOdds`) and the pass costs decide how
+    many copied tokens to feed.
+    """
+
+    in_pass = False
+
+    def __init__(self, k: int, tokens: list[int], max_ngram: int = 3):
+        self.k = k
+        self.copies = ContextDrafter(tokens, max_ngram)
+        self.odds = CopyOdds(k, max_ngram)
+        self._copied, self._match, self._fed = [], 0, 0
+
+    def at(self, hidden, choices, accepted) -> PassDrafts:
+        return PassDrafts(None, None, None)
+
+    def extend(self, tokens) -> None:
+        self.copies.extend(tokens)
+
+    def observe(self, committed, got) -> list[float]:
+        self.odds.learn(self._match, self._fed, len(committed) - 1)
+        self.copies.extend(committed)
+        self._copied, self._match = self.copies.propose(self.k)
+        self._fed = 0
+        return self.odds.scores(self._match)
+
+    def can_branch(self) -> bool:
+        return self._match > 0
+
+    def candidates(self, depth: int, count: int) -> list[list[int]]:
+        found = [self._copied[:depth]] if count == 1 else self.copies.candidates(depth, count)
+        found = found or [[]]
+        self._fed = max(len(c) for c in found)
+        return found
+
+    def proposal(self, depth, sampler):
+        return self.candidates(depth, 1)[0], None
+
+    def draft(self, h, b, sampler=None):
+        raise NotImplementedError("copies are drafted after the pass (in_pass is False)")
 
 
 def make_drafter(model, heads, config, tokens: list[int], width: int = 1) -> Drafter | None:
     """The drafter a resolved ``config`` asks for; ``tokens``: the context so far."""
     if config.mode == "ar":
         return None
+    if heads is None:
+        return CopyDrafter(config.draft_len, tokens)
     if config.context_drafts:
         return CopyThenHeads(HeadsDrafter(model, heads, width, in_pass=False), tokens)
     return HeadsDrafter(model, heads, width)

@@ -6,10 +6,13 @@ On greedy continuations of WikiText-2 valid prompts the copied token equals
 the backbone's next choice far more often than a head's draft does (see the
 README), so drafts come from here when the context has a match and from
 the heads otherwise. CLP is told which (the match length), so it can trust
-the two sources differently.
+the two sources differently. With no trained drafter, copies are the only
+drafts, and :class:`CopyOdds` learns how far they run while decoding.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -80,6 +83,39 @@ class ContextDrafter:
                     if len(out) == limit:
                         return out
         return out
+
+
+class CopyOdds:
+    """How far copies run before the backbone disagrees, learnt as decoding goes.
+
+    With no trained CLP to ask, the odds that a copied draft is accepted are
+    counted per match length n and draft depth i: the share of copies whose
+    draft i was accepted among those whose drafts 1..i-1 were, starting from
+    one success and one failure (an even guess). :meth:`scores` turns them
+    into log P(L = l), the run of accepted drafts, for the feed rule
+    (:func:`.feed.best_feed`); no match scores certain failure, so the step
+    feeds no drafts at all and costs what a plain step costs.
+    """
+
+    def __init__(self, k: int, max_ngram: int = 3):
+        self.k = k
+        self.tried = np.full((max_ngram + 1, k), 2.0)  # [n, i]: copies fed that reached draft i+1
+        self.passed = np.ones((max_ngram + 1, k))  # ... and had it accepted
+
+    def scores(self, match: int) -> list[float]:
+        """log P(L = l), l = 0..k, for a copy from a match of ``match`` tokens."""
+        if not match:
+            return [0.0] + [-math.inf] * self.k
+        at_least = np.cumprod(self.passed[match] / self.tried[match])  # P(L >= i), i = 1..k
+        exactly = np.append(1.0, at_least) - np.append(at_least, 0.0)
+        return [math.log(p) if p > 0 else -math.inf for p in exactly]
+
+    def learn(self, match: int, fed: int, accepted: int) -> None:
+        """``fed`` copied drafts from a match of ``match`` tokens; the first ``accepted`` passed."""
+        if match and fed:
+            reached = min(fed, accepted + 1)
+            self.tried[match, :reached] += 1
+            self.passed[match, :accepted] += 1
 
 
 def row_drafts(rows: np.ndarray, index: np.ndarray, k: int, max_ngram: int):

@@ -24,7 +24,7 @@ from .steps import Step
 from .tree import supported
 from .unchecked import unchecked
 from .verify import verify
-from .verify_sampled import verify_sampled
+from .verify_sampled import verify_sampled, verify_sampled_after
 
 PREFILL_STEP = 2048  # as mlx-lm: long prompts are fed in chunks to bound memory
 
@@ -46,8 +46,8 @@ def tree_shape(config: DecodeConfig, heads, cache) -> tuple[int, int]:
     """(tree size, head 1's branches in it) for greedy verify; (0, 1): chains.
     Trees need a cache whose rows can be moved."""
     size = config.tree if config.tree and supported(cache) else 0
-    if not size:
-        return 0, 1
+    if not size or heads is None:
+        return size, 1
     return size, max(1, min(heads.config.tree_branches, (size - 1) // config.draft_len))
 
 
@@ -62,7 +62,7 @@ def decode(
 ) -> Iterator[Step]:
     """Yield a :class:`.steps.Step` per backbone pass.
 
-    ``heads``: the trained MTP bundle (None: plain decoding only). ``config``
+    ``heads``: the trained MTP bundle (None: context drafts only). ``config``
     is resolved here (:meth:`DecodeConfig.resolve`). ``context``: the tokens
     ``prompt_cache`` already holds before ``prompt``, for context drafts to
     copy from (a conversation); they are not fed again. Both are checked
@@ -90,7 +90,9 @@ def decode(
             yield from ar(model, first, cache, config.max_tokens, sampler)
         elif config.mode == "verify" and sampler.greedy:
             yield from verify(model, drafter, first, cache, config, size)
-        elif config.mode == "verify":
+        elif config.mode == "verify" and drafter.in_pass:
             yield from verify_sampled(model, drafter, first, cache, config, sampler)
+        elif config.mode == "verify":
+            yield from verify_sampled_after(model, drafter, first, cache, config, sampler)
         else:
             yield from unchecked(model, heads, drafter, first, cache, config, sampler)

@@ -45,9 +45,7 @@ class Pass:
 
     def queue(self) -> "Pass":
         """Start evaluating the graph; the host goes on (as mlx-lm queues its next step)."""
-        got = self.drafts
-        branches = [] if got.branches is None else [got.branches]
-        mx.async_eval(self.choices, self.accepted, got.h, got.scores, *branches)
+        mx.async_eval(self.choices, self.accepted, *self.drafts.lazy())
         return self
 
 
@@ -85,15 +83,20 @@ def commit(done: Pass, cache) -> tuple[list[int], list[int]]:
 def propose(drafter, committed, got: PassDrafts, depth: int, config, costs, tree_size) -> Tree:
     """The tokens the next pass feeds: t+1 (the last committed) and drafts."""
     b = committed[-1]
-    scores = drafter.observe(committed, got)
-    m = depth
-    if config.feed == "clp":
-        m = min(m, max(range(len(scores)), key=scores.__getitem__))
-    elif config.feed == "cost":
-        m = best_feed(_softmax(scores), costs, m)
+    m = feed_count(drafter.observe(committed, got), depth, config.feed, costs)
     if tree_size and m >= 2 and drafter.can_branch():
         return Tree.build(b, drafter.candidates(depth, tree_size), tree_size)
     return Tree.chain([b] + (drafter.candidates(m, 1)[0] if m else []))
+
+
+def feed_count(scores: list[float], depth: int, feed: str, costs) -> int:
+    """How many of up to ``depth`` drafts to feed, from the drafter's scores
+    for runs of 0..k accepted drafts (see :data:`.config.FEEDS`)."""
+    if feed == "clp":
+        return min(depth, max(range(len(scores)), key=scores.__getitem__))
+    if feed == "cost":
+        return best_feed(_softmax(scores), costs, depth)
+    return depth
 
 
 def verify(model, drafter, first, cache, config, tree_size: int) -> Iterator[Step]:

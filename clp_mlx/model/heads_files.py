@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import ClpError
-from ..paths import atomic_folder
+from ..paths import atomic_folder, cache_root
 from . import backbone, checks, heads_checks
 from .heads import PROBE_MIN_COSINE, Gate, HeadsConfig, MTPBundle, gate_hidden_size
 
@@ -60,9 +60,9 @@ def _float_dtype(model: nn.Module) -> mx.Dtype:
     return dtype if mx.issubdtype(dtype, mx.floating) else mx.float32
 
 
-def check_backbone(config: HeadsConfig, model: nn.Module, where: str = "heads") -> None:
+def check_backbone(config: HeadsConfig, model: nn.Module, where: str = "heads", sig=None) -> None:
     """Refuse heads made for another backbone, saying what differs."""
-    sig = backbone.signature(model)
+    sig = sig or backbone.signature(model)
     for key in ("hidden_size", "vocab_size", "num_layers"):
         if getattr(config, key) != sig[key]:
             raise ClpError(
@@ -78,6 +78,36 @@ def check_backbone(config: HeadsConfig, model: nn.Module, where: str = "heads") 
             f"{where} belong to another backbone (fingerprint {config.fingerprint}, "
             f"this model {sig['fingerprint']}; weight probe cosine {cos:.3f})"
         )
+
+
+def drafter_folders() -> list[Path]:
+    """Where :func:`find_heads` looks: the user's drafters (``<cache>/drafters/*``,
+    by name), then the heads shipped with clp-mlx."""
+    found = []
+    for root in (cache_root() / "drafters", SHIPPED):
+        try:
+            found += sorted(p for p in root.iterdir() if (p / "heads.json").is_file())
+        except OSError:
+            continue  # no such folder, or unreadable: nothing there
+    return found
+
+
+def find_heads(model: nn.Module) -> Path | None:
+    """The first heads folder (:func:`drafter_folders`) made for these weights.
+
+    Heads are matched by what the weights are, not by a model's name: the
+    shapes and the weight probe (:func:`clp_mlx.model.backbone.signature`),
+    so fp32, fp16, bf16, 8-bit and 4-bit copies of the same weights all find
+    the heads made on any one of them. A folder that cannot be read or was
+    made for other weights is passed over."""
+    sig = backbone.signature(model)
+    for folder in drafter_folders():
+        try:
+            check_backbone(read_config(folder), model, sig=sig)
+        except (ClpError, OSError):
+            continue
+        return folder
+    return None
 
 
 def save_heads(
