@@ -137,3 +137,21 @@ def decode_pairs(prompt, model, heads=None, *, stats=None, prompt_cache=None, co
             yield step
 
     return tokens_of(counted())
+
+
+def write_tokenizer(folder, max_length: int = 512) -> None:
+    """A byte-level BPE tokenizer (256 byte tokens and <|endoftext|>, id 256),
+    saved as a Hugging Face folder saves it."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>",
+              "pad_token": "<|endoftext|>", "model_max_length": max_length}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))

@@ -12,10 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import tiny_model, write_tokenizer
 from mlx.utils import tree_flatten
 from mlx_lm import load
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import pre_tokenizers
 
 from clp_mlx.errors import ClpError
 from clp_mlx.sources.hf import convert_hf
@@ -23,23 +23,6 @@ from clp_mlx.sources.torch_zip import save_torch_file
 
 VOCAB = 320  # more embedding rows than tokens, as in Qwen's checkpoints
 TOKENS = mx.array([[1, 5, 42, 300, 7]])
-
-
-def _write_tokenizer(folder: Path) -> None:
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>"])
-    tok.save(str(folder / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "model_max_length": 512,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
 
 
 def make_hf_folder(
@@ -73,7 +56,8 @@ def make_hf_folder(
         "eos_token_id": 256,
     }
     (folder / "config.json").write_text(json.dumps(config))
-    _write_tokenizer(folder)
+    write_tokenizer(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
     weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     names = sorted(weights)
     parts = [names[i::shards] for i in range(shards)]

@@ -21,7 +21,7 @@ import numpy as np
 
 from clp_mlx.model.backbone import load_backbone
 from clp_mlx.errors import ClpError
-from clp_mlx.sources.resolve import resolve_model
+from clp_mlx.sources.named import NAMED_MODELS, named_from_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,8 @@ LOGIT_TOL = 5e-4
 
 @pytest.fixture(scope="module")
 def backbone():
-    try:
-        path = resolve_model("qwen2.5-coder-0.5b-instruct", dtype="float32")
+    try:  # the GGUF's weights, as the reference (not the safetensors the name may fetch)
+        path = named_from_gguf(NAMED_MODELS["qwen2.5-coder-0.5b-instruct"], "float32", True, None)
     except (ClpError, OSError) as e:  # no cached copy and no network
         pytest.skip(f"Qwen2.5-Coder-0.5B not available: {e}")
     return load_backbone(path, "float32")

@@ -10,7 +10,6 @@ own wording of them, since the ``convert`` command's errors quote that wording.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -21,11 +20,10 @@ from typing import Any
 import mlx.core as mx
 
 from clp_mlx.errors import ClpError
+from clp_mlx.model.checks import qwen2_config
 from clp_mlx.paths import replace_refusal
 
 MARKER = "made_from.json"  # in every folder a converter writes: what --force may replace
-_INT_MAX = 2**31 - 1  # MLX's shapes are 32-bit
-MAX_LAYERS = 4096  # Qwen2's largest has 80; a bigger count is a broken config, not a model
 
 
 @dataclass(frozen=True)
@@ -100,12 +98,6 @@ def read_json(path: Path, what: str = "file") -> Any:
         raise ClpError(f"{path} is not a valid JSON {what}: {str(e)[:200]}") from None
 
 
-def json_kind(value: Any) -> str:
-    """What JSON calls the type of ``value``, for messages."""
-    kinds = {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}
-    return kinds.get(type(value), "a number")
-
-
 @contextmanager
 def writing(out: Path) -> Iterator[None]:
     """Turn an OSError while converting (unwritable folder, full disk) into a
@@ -117,37 +109,13 @@ def writing(out: Path) -> Iterator[None]:
         raise ClpError(f"cannot write {out}: {e.strerror or e}{where}") from None
 
 
-def check_qwen2_config(config: Any, where: str) -> None:
-    """A ClpError naming the field unless ``config`` is a Qwen2 config mlx-lm can build."""
-    if not isinstance(config, dict):
-        raise ClpError(f"{where} must be a JSON object, not {json_kind(config)}")
-    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "vocab_size", "max_position_embeddings")
-    for key in sizes:
-        value = config.get(key, 1 if key == "max_position_embeddings" else None)
-        most = MAX_LAYERS if key == "num_hidden_layers" else _INT_MAX
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= most:
-            raise ClpError(f"{where}: {key} must be a whole number from 1 to {most}, not {value!r}")
-    for key in ("rms_norm_eps", "rope_theta"):
-        value = config.get(key, 1.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ClpError(f"{where}: {key} must be a positive number, not {value!r}")
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    if config["hidden_size"] % heads or heads % kv or (config["hidden_size"] // heads) % 2:
-        raise ClpError(f"{where}: hidden_size {config['hidden_size']}, {heads} attention heads and "
-                       f"{kv} key-value heads do not fit (even head size, heads a multiple of kv heads)")
-    if not isinstance(config.get("tie_word_embeddings", True), bool):
-        raise ClpError(f"{where}: tie_word_embeddings must be true or false")
-    if not isinstance(config.get("rope_scaling", {}), (dict, type(None))):
-        raise ClpError(f"{where}: rope_scaling must be an object or null")
-
-
 def empty_qwen2(config: dict[str, Any], where: str = "config") -> Any:
     """An mlx-lm Qwen2 model whose parameters are still unevaluated (free);
-    a config it cannot build is a ClpError."""
+    a config it cannot build is a ClpError (the checks are the ones an MLX
+    folder's config gets too: :func:`clp_mlx.model.checks.qwen2_config`)."""
     from mlx_lm.models import qwen2  # mlx_lm pulls in transformers: import only when converting
 
-    check_qwen2_config(config, where)
+    qwen2_config(config, where)
     try:
         return qwen2.Model(qwen2.ModelArgs.from_dict(config))
     except (TypeError, KeyError, ValueError, AttributeError, AssertionError, ArithmeticError) as e:

