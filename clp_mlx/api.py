@@ -65,10 +65,9 @@ def load(
 
     model = _spec(model, "model", "a named model, a folder, a .gguf file or a Hub repo id")
     heads = _spec(heads, "heads", "a heads folder, 'init' or 'none'")
-    dtype = dtype or backbone.default_dtype()
-    if dtype not in backbone.DTYPES:
+    if dtype is not None and dtype not in backbone.DTYPES:
         raise ClpError(f"unknown dtype {dtype!r}; choose from {sorted(backbone.DTYPES)}")
-    path = resolve_model(model, dtype=dtype)
+    path = resolve_model(model, dtype=dtype or backbone.default_dtype())
     net, tokenizer = backbone.load_backbone(path, dtype)
     if heads == "init":
         k = DEFAULT_K if num_draft_tokens is None else num_draft_tokens

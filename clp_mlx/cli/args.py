@@ -133,7 +133,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "shipped with clp-mlx)",
     )
     p.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="default: float32 on CPU, float16 on GPU"
+        "--dtype", choices=sorted(DTYPES), default=None,
+        help="cast float weights to this dtype (default: the folder's own, as mlx-lm; "
+        "float weights become float32 on the CPU backend, where only float32 uses BLAS)",
     )
 
 

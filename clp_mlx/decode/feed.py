@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..model.backbone import hidden_states, project, signature
+from ..model.backbone import hidden_states, project, quantization, signature
 from ..native import status as native_status
 from ..native.padrows import is_padded
 from ..paths import cache_root, write_text
@@ -40,14 +40,16 @@ def _costs_file() -> Path:
 
 
 def _setup_key(model) -> str:
-    """What pass times depend on: the backbone's weights and shape, dtype, device, BLAS."""
+    """What pass times depend on: the backbone's weights and shape, dtype,
+    quantization (its copies share the weights' fingerprint), device, BLAS."""
     sig = signature(model)
     native = native_status()
     # CLP_MLX_BLAS names the setup even when it failed to load: keys on disk stay as they were.
     blas = os.environ.get("CLP_MLX_BLAS") or ("openblas" if native.loaded else "default")
     blas += "+few_rows" if native.few_rows else ""
     blas += "+pad16" if is_padded(model) else ""
-    dtype = model.model.norm.weight.dtype
+    dtype = str(model.model.norm.weight.dtype)
+    dtype += f" {quantization(model)}" if quantization(model) else ""  # float keys as before
     return f"{sig['fingerprint']}|{sig['num_layers']}x{sig['hidden_size']}|{dtype}|{mx.default_device()}|{blas}"
 
 

@@ -59,12 +59,17 @@ def greedy(logits: mx.array) -> mx.array:
 def check_argmax(logits: mx.array) -> mx.array:
     """The backbone's choice at each row of a verify pass.
 
-    A plain argmax: the log-softmax of :func:`greedy` costs ~2.4 ms per row
-    of a 152k vocabulary on a CPU (40 ms for a 16-token tree), and the rows
-    of a wide pass differ from a one-token pass's by matmul rounding anyway,
-    far more than the subtraction of a row's constant can move a near-tie.
+    On fp32 logits a plain argmax: the log-softmax of :func:`greedy` costs
+    ~2.4 ms per row of a 152k vocabulary on a CPU (40 ms for a 16-token
+    tree), and the rows of a wide pass differ from a one-token pass's by
+    matmul rounding anyway, far more than the subtraction of a row's
+    constant can move a near-tie. On fp16 or bf16 logits it is not so: the
+    log-probabilities rounded to 8 or 11 bits turn near-ties into ties that
+    go to the lower id in ar and in mlx-lm, so verify takes :func:`greedy`.
     """
-    return mx.argmax(logits, axis=-1)
+    if logits.dtype == mx.float32:
+        return mx.argmax(logits, axis=-1)
+    return greedy(logits)
 
 
 def log_probs(logits: mx.array, s: Sampling) -> mx.array:

@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from ..errors import ClpError
 from ..native.padrows import pad_rows
-from .checks import real, whole
+from .checks import qwen2_config
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -33,14 +33,17 @@ def default_dtype() -> str:
 def load_backbone(path: str | Path, dtype: str | None = None):
     """Load an MLX model folder with mlx-lm; cast float weights to ``dtype``.
 
+    ``dtype`` None keeps the folder's own dtype, as mlx-lm does (so greedy
+    tokens are mlx-lm's), except that float weights are cast to fp32 on the
+    CPU backend (see :func:`default_dtype`); quantized weights keep theirs.
+
     A folder mlx-lm cannot load (a foreign or broken config.json, missing or
     truncated weights, a broken tokenizer) is refused with a ClpError naming it.
     """
     from mlx_lm import load as mlx_load
 
     path = Path(path)
-    dtype = dtype or default_dtype()
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ClpError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
     check_config(path)
     try:
@@ -50,7 +53,10 @@ def load_backbone(path: str | Path, dtype: str | None = None):
     words, rows = len(getattr(tokenizer, "_tokenizer", ())), token_count(model)
     if words > rows:  # its ids past the model's tables would read beyond them
         raise ClpError(f"{path}: the tokenizer has {words} tokens, the model only {rows}")
-    model.set_dtype(DTYPES[dtype])
+    if dtype is None and not quantization(model) and mx.default_device() == mx.cpu:
+        dtype = "float32"
+    if dtype is not None:
+        model.set_dtype(DTYPES[dtype])
     try:
         mx.eval(model.parameters())
     except LOAD_ERRORS as e:  # the weights are read here
@@ -64,10 +70,6 @@ def load_backbone(path: str | Path, dtype: str | None = None):
 LOAD_ERRORS = (
     OSError, ValueError, TypeError, KeyError, AttributeError, IndexError, AssertionError,
     RuntimeError, RecursionError, ArithmeticError,
-)  # fmt: skip
-SIZES = (
-    "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-    "num_key_value_heads", "vocab_size", "max_position_embeddings",
 )  # fmt: skip
 
 
@@ -87,21 +89,7 @@ def check_config(path: Path) -> dict:
         raise ClpError(f"cannot read {file}: {e.strerror or e}") from None
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
         raise ClpError(f"{file} is not valid JSON ({_reason(e)})") from None
-    if not isinstance(config, dict):
-        raise ClpError(f"{file} must hold a JSON object")
-    kind = config.get("model_type")
-    if kind != "qwen2":
-        what = "has no model_type" if kind is None else f"model_type {kind!r} is not qwen2"
-        raise ClpError(f"{file} {what}: clp-mlx runs Qwen2 models")
-    for key in SIZES:
-        if key in config:
-            whole(config[key], f"{file}: {key}", 1)
-    for key in ("rope_theta", "rms_norm_eps"):
-        if key in config and not real(config[key], f"{file}: {key}") > 0:
-            raise ClpError(f"{file}: {key} must be above 0, got {config[key]}")
-    for key in ("rope_traditional", "tie_word_embeddings"):
-        if key in config and not isinstance(config[key], bool):
-            raise ClpError(f"{file}: {key} must be true or false, got {config[key]!r}")
+    qwen2_config(config, str(file))
     layers = _weight_layers(path)
     if config.get("num_hidden_layers", 0) > layers:
         raise ClpError(f"{file} says {config['num_hidden_layers']} layers; the weights hold {layers}")
@@ -125,7 +113,7 @@ def _weight_layers(path: Path) -> int:
 def token_count(model: nn.Module) -> int:
     """How many token ids the model can take and give: the rows of its
     embedding table and of its output projection."""
-    return min(model.model.embed_tokens.weight.shape[0], _output_layer(model).weight.shape[0])
+    return min(model.model.embed_tokens.weight.shape[0], output_layer(model).weight.shape[0])
 
 
 def context_length(model: nn.Module) -> int | None:
@@ -139,25 +127,76 @@ def hidden_states(model: nn.Module, tokens: mx.array, cache) -> mx.array:
 
 
 def project(model: nn.Module, h: mx.array) -> mx.array:
-    """The backbone's output projection (tied embedding or lm_head)."""
+    """The backbone's output projection (tied embedding or lm_head).
+
+    Rows of another dtype (heads kept in fp32 on an fp16 or quantized
+    backbone) are cast to the projection's: the few rows, never the
+    vocabulary-sized weight, which a mixed-dtype matmul would convert on
+    every call."""
+    dtype = output_dtype(model)
+    if h.dtype != dtype and mx.issubdtype(h.dtype, mx.floating):
+        h = h.astype(dtype)
     if model.args.tie_word_embeddings:
         return model.model.embed_tokens.as_linear(h)
     return model.lm_head(h)
 
 
-def _output_layer(model: nn.Module):
+def output_layer(model: nn.Module) -> nn.Module:
+    """The layer that projects to logits: the tied embedding or lm_head
+    (float or quantized)."""
     return model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
 
 
 def is_quantized_output(model: nn.Module) -> bool:
-    return isinstance(_output_layer(model), (nn.QuantizedEmbedding, nn.QuantizedLinear))
+    return isinstance(output_layer(model), (nn.QuantizedEmbedding, nn.QuantizedLinear))
+
+
+def quantization(model: nn.Module) -> str:
+    """The quantized layers' bits and group sizes, e.g. "4-bit/64" (several,
+    comma-separated, if they differ); "" for float weights. What the dtype
+    of the float parts does not tell: pass times and greedy tokens differ."""
+    kinds = {
+        (m.bits, m.group_size, getattr(m, "mode", "affine"))
+        for _, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
+    return ",".join(
+        f"{b}-bit/{g}" + ("" if mode == "affine" else f" {mode}") for b, g, mode in sorted(kinds)
+    )
+
+
+def output_dtype(model: nn.Module) -> mx.Dtype:
+    """The float dtype the output projection computes in: its weight's, or
+    a quantized layer's scales'."""
+    layer = output_layer(model)
+    return layer.scales.dtype if is_quantized_output(model) else layer.weight.dtype
+
+
+def output_rows(model: nn.Module, ids: mx.array | None = None) -> mx.array:
+    """Rows ``ids`` (None: all) of the (vocab, hidden) output projection, in
+    :func:`output_dtype`. A quantized layer's rows are dequantized, only
+    those rows (their packed weights, scales and biases), as its embedding
+    lookup does: the values its own matmul computes with, up to summation
+    order. Prefer a slice: the whole of a quantized layer is a float copy."""
+    layer = output_layer(model)
+    if not is_quantized_output(model):
+        return layer.weight if ids is None else layer.weight[ids]
+    pick = (lambda a: a) if ids is None else (lambda a: a[ids])
+    biases = layer.get("biases")
+    return mx.dequantize(
+        pick(layer.weight),
+        scales=pick(layer.scales),
+        biases=None if biases is None else pick(biases),
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=getattr(layer, "mode", "affine"),
+    )
 
 
 def output_weight(model: nn.Module) -> mx.array:
-    """The (vocab, hidden) output projection matrix of a float backbone."""
-    if is_quantized_output(model):
-        raise ClpError("this needs a float backbone; convert without -q")
-    return _output_layer(model).weight
+    """The whole (vocab, hidden) output projection matrix: :func:`output_rows`
+    of every token (dequantized, a float copy, if the layer is quantized)."""
+    return output_rows(model)
 
 
 def embed(model: nn.Module, tokens: mx.array) -> mx.array:

@@ -14,6 +14,7 @@ Files, fresh heads and the backbone check: :mod:`.heads_files`.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -85,6 +86,27 @@ def accept_count(logits: mx.array, threshold: float | None = None) -> mx.array:
     return mx.sum(at_least[..., 1:] >= threshold, axis=-1)
 
 
+class DraftSlice:
+    """The draft vocabulary's rows of the output projection, made once per
+    backbone (dequantized if it is quantized); kept in fp32 on the CPU,
+    where BLAS serves only fp32, else in the projection's dtype. A plain
+    object, so no parameter of the bundle."""
+
+    def __init__(self):
+        self._of = None  # a weak reference to the output weight the slice came from
+        self._rows = None
+
+    def weight(self, model: nn.Module, ids: mx.array) -> mx.array:
+        source = backbone.output_layer(model).weight
+        if self._of is None or self._of() is not source:  # first use, or another backbone
+            rows = backbone.output_rows(model, ids)
+            if mx.default_device() == mx.cpu:
+                rows = rows.astype(mx.float32)
+            mx.eval(rows)
+            self._of, self._rows = weakref.ref(source), rows
+        return self._rows
+
+
 def gate_hidden_size(dims: int, k: int) -> int:
     """Width that brings the gate to about 1M parameters."""
     return max(1, round((GATE_PARAMS - k) / (dims + 1 + k)))
@@ -134,7 +156,7 @@ class MTPBundle(nn.Module):
             self.head0 = ResBlock(d)
         if config.draft_vocab:
             self.draft_vocab = mx.zeros((config.draft_vocab,), dtype=mx.int32)
-        self._draft_weight = None
+        self._draft_slice = DraftSlice()
 
     def draft_ids(self, model: nn.Module, hidden: mx.array) -> mx.array:
         """Greedy draft tokens for head outputs ``hidden`` (..., d).
@@ -150,18 +172,16 @@ class MTPBundle(nn.Module):
     def _draft_scores(self, model: nn.Module, hidden: mx.array):
         """Scores over the draft vocabulary (..., V') and its token ids
         (None: the whole vocabulary, the scores are the logits)."""
-        if "draft_vocab" not in self or backbone.is_quantized_output(model):
+        if "draft_vocab" not in self:
             return backbone.project(model, hidden), None
-        if self._draft_weight is None:
-            self._draft_weight = backbone.output_weight(model)[self.draft_vocab]
-            mx.eval(self._draft_weight)
-        return hidden @ self._draft_weight.T, self.draft_vocab
+        w = self._draft_slice.weight(model, self.draft_vocab)
+        return hidden.astype(w.dtype) @ w.T, self.draft_vocab
 
     def set_draft_vocab(self, ids) -> None:
         """Restrict drafting to ``ids`` (sorted token ids), as training chose them."""
         self.config.draft_vocab = len(ids)
         self.draft_vocab = mx.array(ids, dtype=mx.int32)
-        self._draft_weight = None
+        self._draft_slice = DraftSlice()
 
     @property
     def k(self) -> int:

@@ -56,7 +56,7 @@ def extract(
 
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"shape": list(tokens.shape), "signature": backbone.signature(model)["fingerprint"]}
-    _check_meta(folder, meta)
+    _check_meta(folder, _with_quantization(meta, model))
     np.save(folder / "tokens.npy", tokens)
     chunks = range(0, tokens.shape[0], CHUNK_SEQS)
     for start in tqdm(chunks, desc="backbone features", unit="chunk", disable=not progress):
@@ -105,7 +105,7 @@ def continue_greedily(
         "start": p_len - 1,  # first position whose futures are all generated
         "signature": backbone.signature(model)["fingerprint"],
     }
-    _check_meta(folder, meta)
+    _check_meta(folder, _with_quantization(meta, model))
     tokens_path = folder / "tokens.npy"
     tokens = np.load(tokens_path) if tokens_path.exists() else np.zeros(meta["shape"], np.int32)
     tokens[:, :p_len] = prompts
@@ -132,6 +132,14 @@ def continue_greedily(
             np.save(f, tokens)  # before the chunk: a chunk on disk always has its tokens
         _save_chunk(target, np.array(h.astype(mx.float16)), g)
     return folder
+
+
+def _with_quantization(meta: dict, model) -> dict:
+    """A quantized backbone's features are its own: its greedy tokens differ
+    from the float weights' even where the weight probe matches. (Float
+    backbones' records stay as they were, so their work folders still resume.)"""
+    quantized = backbone.quantization(model)
+    return {**meta, "quantization": quantized} if quantized else meta
 
 
 def _check_meta(folder: Path, meta: dict) -> None:

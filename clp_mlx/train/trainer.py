@@ -85,7 +85,8 @@ def draft_vocabulary(greedy_ids: np.ndarray, size: int, vocab: int) -> np.ndarra
 class HeadTrainer:
     def __init__(self, model, bundle: MTPBundle, data: Positions, cfg: TrainConfig, vocab_ids):
         self.model, self.bundle, self.data, self.cfg = model, bundle, data, cfg
-        self.w_draft = backbone.output_weight(model).astype(mx.float32)[mx.array(vocab_ids)]
+        # fp32 rows of the output projection (dequantized, if it is quantized)
+        self.w_draft = backbone.output_rows(model, mx.array(vocab_ids)).astype(mx.float32)
         id_map = np.full(model.args.vocab_size, -1, dtype=np.int32)
         id_map[vocab_ids] = np.arange(len(vocab_ids))
         self.id_map = mx.array(id_map)
