@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heads",
         default=None,
-        help="heads folder (one model only) or 'init' (default: each model's shipped heads)",
+        help="heads folder (one model only), 'init', or 'none': context drafts only "
+        "(default: heads made for each model's weights, if any)",
     )
     p.add_argument("--draft-model", help="mlx-lm-draft's draft model, for every bigger model")
     p.add_argument("--draft-tokens", type=int, default=3, help="mlx-lm-draft's drafts per pass")
@@ -110,7 +111,7 @@ def settings(argv=None) -> argparse.Namespace:
         raise ClpError("give exactly one of --wikitext FILE or --prompts FILE")
     if "mlx-lm-draft" in args.modes and not args.draft_model:
         raise ClpError("mode mlx-lm-draft needs --draft-model (a smaller model, same tokenizer)")
-    if len(args.model) > 1 and args.heads not in (None, "init"):
+    if len(args.model) > 1 and args.heads not in (None, "init", "none"):
         raise ClpError("--heads FOLDER fits one model; with several, each uses its shipped heads")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise ClpError(f"--json: the folder of {args.json} does not exist")
