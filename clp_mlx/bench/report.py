@@ -114,7 +114,8 @@ def plots(entries: list, folder: str | Path) -> list:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        print("matplotlib is not installed: no plots (pip install 'clp-mlx[bench]')",
+              file=sys.stderr)
         return []
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

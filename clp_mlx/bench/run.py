@@ -6,13 +6,18 @@ import math
 import statistics
 
 import mlx.core as mx
+from tqdm import tqdm
 
 from .measures import common_prefix, continuation_nll, repetition_ratio
 from .methods import LOSSLESS, WARMUP_TOKENS, Start, run_one
 
 
-def bench(model, heads, prompts, methods, *, max_tokens, repeats=1, draft=None, draft_tokens=3):
-    """Run ``methods`` on each prompt (token id lists); return method -> figures."""
+def bench(
+    model, heads, prompts, methods, *, max_tokens, repeats=1, draft=None, draft_tokens=3,
+    progress=True,
+):
+    """Run ``methods`` on each prompt (token id lists); return method -> figures.
+    ``progress``: a bar on stderr, one tick per prompt, repeat and method."""
     methods = ["ar", *(m for m in dict.fromkeys(methods) if m != "ar")]
     kw = {"draft": draft, "draft_tokens": draft_tokens}
     drafting = draft if "mlx-lm-draft" in methods else None
@@ -21,12 +26,16 @@ def bench(model, heads, prompts, methods, *, max_tokens, repeats=1, draft=None, 
         run_one(model, heads, start, m, min(WARMUP_TOKENS, max_tokens), **kw)
     runs = {m: [] for m in methods}
     nll, prefills = {}, []  # quality after each prompt's timing; lossless outputs share a pass
+    total = len(prompts) * repeats * len(methods)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, leave=False)
     for i, ids in enumerate(prompts):
         start = Start.prefill(model, ids, drafting)
         prefills.append(start.seconds)
         for _ in range(repeats):
             for m in methods:
+                bar.set_postfix_str(f"prompt {i + 1}/{len(prompts)}, {m}")
                 runs[m].append((i, run_one(model, heads, start, m, max_tokens, **kw)))
+                bar.update()
         for m in methods:
             for j, r in runs[m]:
                 key = (j, tuple(r.tokens))
@@ -34,6 +43,7 @@ def bench(model, heads, prompts, methods, *, max_tokens, repeats=1, draft=None, 
                     nll[key] = continuation_nll(model, ids, r.tokens, start)
         del start
         mx.clear_cache()
+    bar.close()
     prefill_s = round(statistics.median(prefills), 4)
     return {m: {**_figures(m, runs[m], runs["ar"], nll), "prefill_s": prefill_s} for m in methods}
 
@@ -44,6 +54,10 @@ def _figures(method, runs, ar_runs, nll) -> dict:
     hist = [sum(c) for c in zip(*(r.accepted for _, r in runs))]
     n_tokens = sum(len(r.tokens) for _, r in runs)
     total_nll = sum(nll[(i, tuple(r.tokens))] for i, r in runs)
+    by_prompt, tps = {}, {}  # prompt -> its repeats' ratios against ar, and tokens/s
+    for ((i, r), _), ratio in zip(zip(runs, ar_runs), ratios):
+        by_prompt.setdefault(i, []).append(ratio)
+        tps.setdefault(i, []).append(r.tps)
     return {
         "lossless": method in LOSSLESS,
         "runs": len(runs),
@@ -52,6 +66,10 @@ def _figures(method, runs, ar_runs, nll) -> dict:
         "speedup": round(statistics.median(ratios), 3),
         "speedup_min": round(min(ratios), 3),
         "speedup_max": round(max(ratios), 3),
+        # per prompt, the median over its repeats; and how far repeats of one
+        # prompt spread ((max - min) / median tokens/s, the median over prompts)
+        "prompt_speedups": [round(statistics.median(v), 3) for v in by_prompt.values()],
+        "repeat_spread": round(statistics.median(_spread(v) for v in tps.values()), 3),
         "tokens_per_pass": round(statistics.mean(len(r.tokens) / r.steps for _, r in runs), 3),
         "accepted_histogram": hist,
         "repetition": round(statistics.mean(repetition_ratio(r.tokens) for _, r in runs), 4),
@@ -64,3 +82,8 @@ def _figures(method, runs, ar_runs, nll) -> dict:
     }
 
 
+
+
+def _spread(values: list) -> float:
+    """(max - min) / median: how far repeated timings of one thing spread."""
+    return (max(values) - min(values)) / max(statistics.median(values), 1e-9)
