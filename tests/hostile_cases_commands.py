@@ -45,6 +45,11 @@ GENERATE_FLAGS = [  # (name, flags, allowed exit codes)
     ("system-prompt-without-template", "--system-prompt x", 1),
     ("mode-bogus", "--mode bogus", 2), ("dtype-bogus", "--dtype bogus", 2),
     ("max-tokens-letters", "-m abc", 2), ("heads-missing", "--heads /nonexistent-hostile", 1),
+    ("draft-len-0", "--draft-len 0", 1), ("kv-bits", "--kv-bits 4", 1),
+    ("min-tokens-to-keep-2", "--min-tokens-to-keep 2", 1), ("verbose-bogus", "--verbose maybe", 2),
+    ("template-config-list", "--chat-template-config [1]", 1),
+    ("extra-eos-bogus", "--extra-eos-token no-such-token", 1),
+    ("prefill-step-0", "--prefill-step-size 0", 1), ("max-kv-size-1", "--max-kv-size 1", 1),
 ]
 # fmt: on
 

@@ -79,10 +79,11 @@ def test_a_bad_tree_branches_is_refused(tmp_path, model):
     [
         (["--model", "/no/such/folder", "-p", "hi"], "/no/such/folder"),
         (["-p", "hi", "-m", "0"], "--max-tokens"),
-        (["-p", "hi", "--num-draft-tokens", "0"], "--num-draft-tokens"),
+        (["-p", "hi", "--num-draft-tokens", "0"], "--draft-len"),
         (["-p", "hi", "--clp-threshold", "1.5"], "--clp-threshold"),
         (["-p", "hi", "--temp", "-1"], "greedy"),
-        (["-m", "5"], "no prompt"),
+        (["-m", "5", "--kv-bits", "4"], "--kv-bits is not supported"),
+        (["-p", "hi", "--draft-len", "0"], "--draft-len"),
     ],
 )
 def test_cli_bad_input_is_one_clear_error(argv, message):

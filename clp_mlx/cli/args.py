@@ -14,6 +14,7 @@ from ..decode.config import FEEDS, MODES, DecodeConfig
 from ..decode.sampling import Sampling
 from ..errors import ClpError
 from ..model.backbone import DTYPES
+from .mlx_lm_flags import add_trust_remote_code
 
 DEBUG = "--debug"
 # MLX's messages for a file it cannot read start with the failing function:
@@ -119,33 +120,42 @@ def add_model_output_args(
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --heads, --dtype: what every command that loads a model takes."""
+    """--model, --drafter (--heads), --dtype, --trust-remote-code: what every
+    command that loads a model takes."""
     p.add_argument(
         "--model",
         default=None,
         help="named model, MLX/HF folder, .gguf file or Hub repo (default: qwen2.5-coder-0.5b-instruct)",
     )
     p.add_argument(
+        "--drafter",
         "--heads",
+        dest="heads",
         default=None,
-        help="heads folder, 'init' for untrained heads, or 'none': context drafts only "
-        "(default: heads made for these weights, found in the cache's drafters folder or "
-        "shipped with clp-mlx)",
+        metavar="HEADS",
+        help="clp-mlx's drafter: a heads folder, 'init' for untrained heads, or 'none': "
+        "context drafts only (default: heads made for these weights, found in the cache's "
+        "drafters folder or shipped with clp-mlx)",
     )
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None,
         help="cast float weights to this dtype (default: the folder's own, as mlx-lm; "
         "float weights become float32 on the CPU backend, where only float32 uses BLAS)",
     )
+    add_trust_remote_code(p)
 
 
-def add_decode_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
-    """The options of :class:`DecodeConfig`, as flags (shared by generate and chat)."""
-    p.add_argument("--max-tokens", "-m", type=int, default=max_tokens)
+def add_decode_args(p: argparse.ArgumentParser, *, max_tokens: int, seed: int | None) -> None:
+    """The options of :class:`DecodeConfig`, as flags (shared by generate and chat).
+    ``seed``: --seed's default (mlx-lm's: None in generate, 0 in chat)."""
+    p.add_argument("--max-tokens", "-m", type=int, default=max_tokens,
+                   help=f"most tokens to generate (default: {max_tokens})")  # fmt: skip
     p.add_argument("--mode", choices=MODES, default=None, help="default: verify (without heads: on context drafts)")
     p.add_argument(
-        "--num-draft-tokens", type=int, default=None, help="drafts per step (default: all the heads' k; without heads, up to 6 copied tokens)"
-    )
+        "--draft-len", type=int, default=None, metavar="N",
+        help="drafts per step of clp-mlx's drafter (default: all the heads' k; without heads, "
+        "up to 6 copied tokens)",
+    )  # fmt: skip
     p.add_argument(
         "--verify-feed",
         choices=FEEDS,
@@ -175,6 +185,10 @@ def add_decode_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
         "tokens, alternatives included (default: 16 where wide passes are padded, on "
         "OpenBLAS; else 0, a chain)",
     )
+    add_sampling_args(p, seed)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, seed: int | None) -> None:
     p.add_argument(
         "--temp",
         type=float,
@@ -184,32 +198,62 @@ def add_decode_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
     )
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
     p.add_argument(
+        "--min-p", type=float, default=0.0,
+        help="drop tokens less likely than this times the likeliest (default: 0, off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--min-tokens-to-keep", type=int, default=1, metavar="N",
+        help="mlx-lm's floor for min-p; only 1 is supported (min-p keeps the likeliest token)",
+    )  # fmt: skip
+    p.add_argument(
         "--top-k", type=int, default=0, help="sample from the k likeliest tokens (default: 0, all)"
     )
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed, for sampling and --heads init")
+    fresh = "none, a fresh random draw each run; --drafter init then takes 0" if seed is None else seed
+    p.add_argument("--seed", type=int, default=seed,
+                   help=f"PRNG seed, for sampling and --drafter init (default, as mlx-lm: {fresh})")  # fmt: skip
+
+
+def draft_len(args: argparse.Namespace) -> int | None:
+    """Drafts per step for clp-mlx's drafter: --draft-len, or --num-draft-tokens
+    where no --draft-model takes it (its meaning before --draft-len; in mlx-lm,
+    also "tokens to draft")."""
+    mine = args.draft_len
+    theirs = getattr(args, "num_draft_tokens", None)
+    if getattr(args, "draft_model", None) is not None:
+        return mine
+    if mine is not None and theirs is not None:
+        raise ClpError("pass --draft-len or --num-draft-tokens, not both (without --draft-model they mean the same)")
+    return theirs if mine is None else mine
 
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
     """The :class:`DecodeConfig` the flags ask for; bad values fail here, before a model loads."""
+    if args.min_tokens_to_keep != 1:
+        raise ClpError(
+            "--min-tokens-to-keep is not supported by clp-mlx: min-p keeps the likeliest "
+            f"token only (1, the default), got {args.min_tokens_to_keep}"
+        )
     return DecodeConfig(
         mode=args.mode,
         max_tokens=args.max_tokens,
-        draft_len=args.num_draft_tokens,
+        draft_len=draft_len(args),
         feed=args.verify_feed,
         context_drafts={"auto": None, "on": True, "off": False}[args.context_drafts],
         tree=args.tree,
         clp_threshold=args.clp_threshold,
-        sampling=Sampling(args.temp, args.top_p, args.top_k, args.seed),
+        sampling=Sampling(args.temp, args.top_p, args.top_k, args.seed, args.min_p),
     )
 
 
 def load_model(args: argparse.Namespace, config: DecodeConfig):
     """(model, tokenizer, heads, ``config`` resolved for them) as --model,
-    --heads, --dtype, --num-draft-tokens and --seed ask."""
+    --drafter, --dtype, --draft-len and --seed ask (--drafter init: seed 0
+    when none is given)."""
     from ..api import load
 
+    seed = 0 if args.seed is None else args.seed
     model, tokenizer, heads = load(
-        args.model, args.heads, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens, seed=args.seed
+        args.model, args.heads, dtype=args.dtype, num_draft_tokens=config.draft_len, seed=seed
     )
     return model, tokenizer, heads, config.resolve(model, heads)
 

@@ -30,7 +30,6 @@ import mlx.core as mx
 from ..api import stream_generate
 from ..decode.config import MODES, DecodeConfig
 from ..errors import ClpError
-from ..model.backbone import context_length
 from ..model.tokens import prompt_ids
 from .args import (
     add_decode_args,
@@ -42,6 +41,16 @@ from .args import (
     run,
 )
 from .conversation import Conversation, template_pieces, turn_line
+from .mlx_lm_flags import (
+    add_max_kv_size,
+    add_prefill_step_size,
+    add_refused,
+    check_max_kv_size,
+    check_prefill_step_size,
+    kv_limit,
+    prefill_step_size,
+    refuse_unsupported,
+)
 
 __all__ = ["Conversation", "answer", "main", "template_pieces"]
 
@@ -78,7 +87,7 @@ def ctrl_c_stops_the_answer():
 
 def with_mode(config: DecodeConfig, mode: str, draft_len: int | None) -> DecodeConfig:
     """``config`` switched to ``mode``: ``ar`` drafts nothing, the others
-    draft ``draft_len`` (--num-draft-tokens) again."""
+    draft ``draft_len`` (--draft-len) again."""
     return replace(config, mode=mode, draft_len=None if mode == "ar" else draft_len)
 
 
@@ -124,36 +133,33 @@ def answer(conv: Conversation, text: str, config: DecodeConfig, heads, limit: in
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = parser("python -m clp_mlx.chat", __doc__.split("\n")[0])
     add_model_args(p)
-    add_decode_args(p, max_tokens=256)
+    add_decode_args(p, max_tokens=256, seed=0)
+    # clp-mlx's old name for --draft-len (mlx_lm.chat has no draft model)
+    p.add_argument("--num-draft-tokens", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--system-prompt", default=None, help="system message of the conversation")
-    p.add_argument(
-        "--max-kv-size",
-        type=int,
-        default=None,
-        help="most tokens a conversation may hold (default: the model's context length); "
-        "old tokens are never dropped: when full, reset",
-    )
+    add_max_kv_size(p, "an answer stops when the conversation is full; r starts a new one")
+    add_prefill_step_size(p)
+    add_refused(p, "chat")
     return p
 
 
 def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
-    # Each answer draws its sampling key from mx.random, seeded once here.
+    refuse_unsupported(args)
+    # Each answer draws its sampling key from mx.random, seeded once here (as mlx_lm.chat).
     config = decode_config(args)
     config = replace(config, sampling=replace(config.sampling, seed=None))
-    if args.max_kv_size is not None and args.max_kv_size < 2:
-        raise ClpError(f"--max-kv-size must be at least 2, got {args.max_kv_size}")
+    asked_len = config.draft_len  # drafts per step, for /mode to come back to
+    check_max_kv_size(args.max_kv_size)
+    check_prefill_step_size(args.prefill_step_size)
     mx.random.seed(args.seed)
     model, tokenizer, heads, resolved = load_model(args, config)
     if tokenizer.chat_template is None:
         raise ClpError("this model has no chat template; use clp_mlx.generate")
     config = replace(config, mode=resolved.mode)
-    context = context_length(model)
-    if args.max_kv_size and context and args.max_kv_size > context:
-        raise ClpError(f"--max-kv-size {args.max_kv_size} is more than this model's context ({context})")
-    limit = args.max_kv_size or context
+    limit = kv_limit(args.max_kv_size, model)
     conv = Conversation(model, tokenizer, args.system_prompt)
-    sampling = f"temp {args.temp}, top-p {args.top_p}, top-k {args.top_k}"
+    sampling = f"temp {args.temp}, top-p {args.top_p}, min-p {args.min_p}, top-k {args.top_k}"
     k = resolved.draft_len or 0
     drafts = "" if heads is not None or not k else " context drafts"
     print(f"[mode {config.mode}, k={k}{drafts} | {sampling if args.temp else 'greedy'} | context {limit}]")
@@ -178,7 +184,8 @@ def main(argv=None) -> int:
         if line in ("q", "/quit"):
             return 0
         try:
-            config = command(line, conv, config, heads, limit, args.num_draft_tokens)
+            with prefill_step_size(args.prefill_step_size):
+                config = command(line, conv, config, heads, limit, asked_len)
         except ClpError as e:  # this line's problem: the conversation goes on
             print(f"[error: {e}]")
 

@@ -1,6 +1,10 @@
 """``python -m clp_mlx.generate``: generate text from the command line.
 
-Flags follow mlx_lm.generate; text streams as it is generated.
+Flags follow mlx_lm.generate 0.32 (names, meanings, defaults: the chat
+template is on where the tokenizer has one, ``--verbose`` is True); text
+streams as it is generated. ``--draft-model`` runs mlx-lm's own speculative
+decoding instead of clp-mlx's drafter, for comparison. mlx-lm's flags that
+clp-mlx cannot honour are refused with one error line; see docs/FLAGS.md.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ import sys
 
 from ..api import print_stats, stream_generate
 from ..errors import ClpError
-from ..model.tokens import check_text
+from ..model.backbone import token_count
+from . import draft_model
 from .args import (
     add_decode_args,
     add_model_args,
@@ -20,6 +25,18 @@ from .args import (
     parser,
     run,
 )
+from .mlx_lm_flags import (
+    add_max_kv_size,
+    add_prefill_step_size,
+    add_refused,
+    add_verbose,
+    check_max_kv_size,
+    check_prefill_step_size,
+    kv_limit,
+    prefill_step_size,
+    refuse_unsupported,
+)
+from .prompt import add_prompt_args, add_stop_tokens, prompt_ids, template_config
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -28,63 +45,68 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "Generate text with Backbone-as-Architect multi-token decoding.",
     )
     add_model_args(p)
-    p.add_argument("--prompt", "-p", default=None, help="the prompt; '-' reads standard input")
-    add_decode_args(p, max_tokens=100)
-    p.add_argument("--system-prompt", default=None, help="system message; implies --chat-template")
-    p.add_argument(
-        "--chat-template",
-        action="store_true",
-        help="wrap the prompt in the model's chat template (default: plain continuation)",
-    )
-    p.add_argument("--verbose", action="store_true", help="print statistics after the text")
+    add_prompt_args(p)
+    add_decode_args(p, max_tokens=100, seed=None)
+    add_verbose(p)
+    add_max_kv_size(p, "a prompt that does not fit with --max-tokens is refused")
+    add_prefill_step_size(p)
+    draft_model.add_draft_model_args(p)
+    add_refused(p, "generate")
     return p
 
 
-def _read_stdin() -> str:
-    if sys.stdin is None:
-        raise ClpError("--prompt -: there is no standard input to read")
-    if not hasattr(sys.stdin, "buffer"):  # a text stream put in its place
-        return check_text(sys.stdin.read(), "standard input")
-    data = sys.stdin.buffer.read()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ClpError(f"standard input is not UTF-8 text (byte {e.start}): pass UTF-8") from None
-
-
-def _prompt_text(args, tokenizer):
-    prompt = _read_stdin() if args.prompt == "-" else check_text(args.prompt)
-    if not prompt:
-        raise ClpError("the prompt is empty: pass --prompt/-p TEXT (or '-' to read stdin)")
-    if args.system_prompt is not None:
-        check_text(args.system_prompt, "--system-prompt")
-    if not (args.chat_template or args.system_prompt):
-        return prompt
-    if tokenizer.chat_template is None:
-        raise ClpError("this model has no chat template; drop --chat-template/--system-prompt")
-    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-    messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-
-
 def main(argv=None) -> int:
-    args = setup_arg_parser().parse_args(argv)
+    p = setup_arg_parser()
+    args = p.parse_args(argv)
+    refuse_unsupported(args)
     config = decode_config(args)
-    if args.prompt is None:
-        raise ClpError("no prompt: pass --prompt/-p TEXT (or '-' to read stdin)")
-    model, tokenizer, heads, resolved = load_model(args, config)
-    prompt = _prompt_text(args, tokenizer)
-    note = no_drafter_note(args, heads, resolved)
-    last = None
-    for last in stream_generate(model, tokenizer, prompt, heads, config=config):
-        if note:  # once decoding has begun: a bad prompt gets its error line alone
-            print(note, file=sys.stderr)
-            note = None
-        print(last.text, end="", flush=True)
+    template_kwargs = template_config(args.chat_template_config)
+    check_max_kv_size(args.max_kv_size)
+    check_prefill_step_size(args.prefill_step_size)
+    if args.draft_model is not None:
+        n_draft = draft_model.check_flags(args, p)
+        model, tokenizer, draft = draft_model.load_pair(args)
+        heads = note = None  # mlx-lm's decoding: no drafter
+    else:
+        model, tokenizer, heads, resolved = load_model(args, config)
+        note = no_drafter_note(args, heads, resolved) if args.verbose else None
+    add_stop_tokens(tokenizer, args.extra_eos_token, token_count(model))
+    ids = prompt_ids(args, tokenizer, template_kwargs)
+    fits(args, model, len(ids))
+    with prefill_step_size(args.prefill_step_size):
+        if args.draft_model is not None:
+            responses = draft_model.stream(args, model, tokenizer, draft, ids, n_draft)
+        else:
+            responses = stream_generate(model, tokenizer, ids, heads, config=config)
+        last, drafted = None, 0
+        for last in responses:
+            if note is not None:  # once decoding has begun: a bad prompt gets its error line alone
+                print(note, file=sys.stderr)
+                note = None
+            if args.verbose and last.generation_tokens == 1:
+                print("=" * 10)  # as mlx-lm, before and after the text
+            drafted += bool(last.from_draft) and last.finish_reason != "stop"
+            print(last.text, end="", flush=True)
     print()
     if args.verbose and last is not None:
-        print_stats(last)
+        if args.draft_model is not None:
+            draft_model.print_stats(last, drafted)
+        else:
+            print_stats(last)
     return 0
+
+
+def fits(args: argparse.Namespace, model, n_prompt: int) -> None:
+    """--max-kv-size: the prompt and --max-tokens must fit (no token is ever dropped)."""
+    if args.max_kv_size is None:
+        return
+    limit = kv_limit(args.max_kv_size, model)
+    if n_prompt + args.max_tokens > limit:
+        raise ClpError(
+            f"the prompt's {n_prompt} tokens and --max-tokens {args.max_tokens} do not fit in "
+            f"--max-kv-size {limit} (clp-mlx never drops cached tokens): raise it or lower "
+            "--max-tokens"
+        )
 
 
 def cli() -> None:

@@ -58,7 +58,7 @@ class DecodeConfig:
             raise ClpError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
         whole(self.max_tokens, "max_tokens (--max-tokens)", 1)
         if self.draft_len is not None:
-            whole(self.draft_len, "draft_len (--num-draft-tokens)", 1)
+            whole(self.draft_len, "draft_len (--draft-len)", 1)
         if self.feed not in FEEDS:
             raise ClpError(f"feed must be one of {', '.join(FEEDS)}, got {self.feed!r} (--verify-feed)")
         if self.context_drafts is not None and not isinstance(self.context_drafts, bool):
@@ -86,7 +86,7 @@ class DecodeConfig:
         mode = self.mode or "verify"
         if mode == "ar" and self.draft_len is not None:
             raise ClpError(
-                "--num-draft-tokens (draft_len) drafts nothing in mode ar: drop it, or pick a "
+                "--draft-len (draft_len) drafts nothing in mode ar: drop it, or pick a "
                 f"mode that drafts ({', '.join(m for m in MODES if m != 'ar')})"
             )
         if mode == "ar":
@@ -103,7 +103,7 @@ class DecodeConfig:
             raise ClpError(f"these heads have no {part} for mode {mode!r}")
         n = heads.k if self.draft_len is None else self.draft_len
         if not 1 <= n <= heads.k:
-            raise ClpError(f"draft_len must be in 1..{heads.k} for these heads, got {n} (--num-draft-tokens)")
+            raise ClpError(f"draft_len must be in 1..{heads.k} for these heads, got {n} (--draft-len)")
         wanted = self.context_drafts if self.context_drafts is not None else mode == "verify"
         fits = bool(heads.config.lookup) and (mode == "verify" or (mode == "clp" and self.greedy))
         return replace(self, mode=mode, draft_len=n, context_drafts=fits and wanted, tree=tree)
@@ -123,6 +123,6 @@ class DecodeConfig:
         n = CONTEXT_K if self.draft_len is None else self.draft_len
         if not 1 <= n <= MAX_CONTEXT_K:
             raise ClpError(
-                f"draft_len must be in 1..{MAX_CONTEXT_K} for context drafts, got {n} (--num-draft-tokens)"
+                f"draft_len must be in 1..{MAX_CONTEXT_K} for context drafts, got {n} (--draft-len)"
             )
         return replace(self, mode=mode, draft_len=n, context_drafts=True, tree=tree)

@@ -33,7 +33,7 @@ def init_heads(
     name: str = "",
 ) -> MTPBundle:
     """Fresh heads for ``model``, as training starts from them (seeded)."""
-    what = "the number of draft tokens (--num-draft-tokens)"
+    what = "the number of draft tokens (--draft-len)"
     k = checks.whole(checks.whole(k, what, 1), what, most=heads_checks.MAX_K)
     mx.random.seed(checks.seed(seed))
     sig = backbone.signature(model)
