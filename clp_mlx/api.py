@@ -1,8 +1,11 @@
 """The Python API, in mlx-lm's shape: load, stream_generate, generate.
 
-model, tokenizer, heads = load("qwen2.5-coder-0.5b-instruct", heads="init")
-text = generate(model, tokenizer, "def fib(n):", heads=heads, mode="verify")
-text = generate(model, tokenizer, "def fib(n):", heads=heads, temp=0.7, top_p=0.9, seed=1)
+model, tokenizer = load("qwen2.5-coder-0.5b-instruct")  # the drafter found rides on the model
+text = generate(model, tokenizer, "def fib(n):", max_tokens=64)
+text = generate(model, tokenizer, "def fib(n):", sampler=make_sampler(0.7, top_p=0.9))
+
+``load_with_drafter`` returns ``(model, tokenizer, heads)`` and leaves the
+choice of heads to the caller (``stream_generate(..., heads)``).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -22,7 +25,7 @@ from .errors import ClpError
 from .model.tokens import encode
 from .model.heads import MTPBundle
 from .model.heads_files import find_heads, init_heads, load_heads
-from .decode.sampling import Sampling
+from .decode.sampling import Sampler, Sampling
 
 DEFAULT_K = 3  # drafts per step for --heads init; trained heads record their own
 
@@ -41,9 +44,12 @@ class Response:
     peak_memory: float  # GB
     finish_reason: str | None
     stats: DecodeStats
+    # mlx-lm's log-probabilities over the vocabulary for this token; None when
+    # clp-mlx decodes (a verify pass commits several tokens from one pass)
+    logprobs: mx.array | None = None
 
 
-def load(
+def load_with_drafter(
     model: str | os.PathLike | None = None,
     heads: str | os.PathLike | None = None,
     *,
@@ -51,7 +57,7 @@ def load(
     num_draft_tokens: int | None = None,
     seed: int = 0,
 ):
-    """Load ``(model, tokenizer, heads)``.
+    """Load ``(model, tokenizer, heads)``; :func:`load` is mlx-lm's shape.
 
     ``model``: a named default, an MLX or Hugging Face folder, a GGUF file or
     a Hub repo id (None: the default model). ``heads``: a heads folder,
@@ -80,6 +86,40 @@ def load(
         found = find_heads(net)
         bundle = load_heads(found, net) if found is not None else None
     return net, tokenizer, bundle
+
+
+def load(
+    path_or_hf_repo: str | os.PathLike | None = None,
+    tokenizer_config: dict | None = None,
+    model_config: dict | None = None,
+    adapter_path: str | None = None,
+    lazy: bool = False,
+    return_config: bool = False,
+    revision: str | None = None,
+    *,
+    drafter: str | os.PathLike | None = None,
+    dtype: str | None = None,
+):
+    """``mlx_lm.load``'s shape: ``(model, tokenizer)`` (``return_config``:
+    and the config dict). The drafter (``drafter``, as ``heads`` of
+    :func:`load_with_drafter`; None: the one made for these weights, if any)
+    rides on the model: :func:`stream_generate` uses it unless given heads.
+    ``lazy`` is accepted (weights are read here either way); a tokenizer or
+    model config, an adapter or a revision are refused."""
+    for value, name in ((tokenizer_config, "tokenizer_config"), (model_config, "model_config"),
+                        (adapter_path, "adapter_path"), (revision, "revision")):  # fmt: skip
+        if value:
+            raise ClpError(f"load(): {name} is not supported by clp-mlx")
+    net, tokenizer, heads = load_with_drafter(path_or_hf_repo, drafter, dtype=dtype)
+    object.__setattr__(net, "_clp_drafter", heads)  # a plain attribute: no parameter of the model
+    if return_config:
+        return net, tokenizer, dict(vars(net.args))
+    return net, tokenizer
+
+
+def drafter_of(model) -> MTPBundle | None:
+    """The heads :func:`load` found for ``model`` (None: none, or not loaded by it)."""
+    return model.__dict__.get("_clp_drafter")
 
 
 def _spec(value, what: str, means: str) -> str | None:
@@ -125,14 +165,20 @@ def decode_config(
     )
 
 
+_ATTACHED = object()  # stream_generate's heads: the drafter load() attached, if any
+
+
 def stream_generate(
     model,
     tokenizer,
     prompt,
-    heads: MTPBundle | None = None,
+    heads: MTPBundle | None = _ATTACHED,
     *,
-    config: DecodeConfig | None = None,
+    sampler=None,
+    logits_processors=None,
     prompt_cache=None,
+    draft_model=None,
+    config: DecodeConfig | None = None,
     context=None,
     **options,
 ):
@@ -143,17 +189,33 @@ def stream_generate(
     ``top_k``, ``min_p``, ``seed``, ``num_draft_tokens``, ``feed``, ``lookup``,
     ``clp_threshold``, ``tree``); see :class:`clp_mlx.decode.config.DecodeConfig`
     for what each means. ``temp`` 0 is greedy; ``verify`` samples exactly from
-    the backbone's distribution. ``prompt_cache`` is extended in place: see
-    :func:`clp_mlx.decode.loop.decode` for what it holds after. ``context``:
-    the tokens ``prompt_cache`` already holds (earlier turns), for context
-    drafts to copy from.
+    the backbone's distribution. ``sampler``: one from
+    :func:`clp_mlx.sample_utils.make_sampler` (mlx-lm's arguments) keeps
+    verify; mlx-lm's own samplers, ``logits_processors`` and ``draft_model``
+    run mlx-lm's generation instead, whose distribution clp-mlx cannot check.
+    ``heads``: default, the drafter :func:`load` attached. ``prompt_cache`` is
+    extended in place: see :func:`clp_mlx.decode.loop.decode` for what it
+    holds after. ``context``: the tokens ``prompt_cache`` already holds
+    (earlier turns), for context drafts to copy from.
     """
+    if heads is _ATTACHED:
+        heads = drafter_of(model)
     if config is not None and options:
         raise ClpError(f"pass either config or options, not both ({', '.join(options)})")
+    foreign = sampler is not None and not isinstance(sampler, Sampler)
+    if foreign or logits_processors or draft_model is not None:
+        yield from _mlx_lm_stream(
+            model, tokenizer, prompt, options, sampler=sampler, prompt_cache=prompt_cache,
+            logits_processors=logits_processors, draft_model=draft_model,
+        )  # fmt: skip
+        return
     unknown = sorted(set(options) - set(inspect.signature(decode_config).parameters))
     if unknown:
         raise ClpError(f"unknown option {', '.join(unknown)}; see clp_mlx.api.decode_config")
-    config = (config or decode_config(**options)).resolve(model, heads)
+    config = config or decode_config(**options)
+    if sampler is not None:
+        config = replace(config, sampling=sampler.settings)
+    config = config.resolve(model, heads)
     tokens = encode(tokenizer, prompt)
     stats = DecodeStats(config.mode, config.draft_len or 0)
     detok = tokenizer.detokenizer
@@ -205,10 +267,34 @@ def _response(text, token, from_draft, n_prompt, prompt_tps, n, tic, reason, sta
     )
 
 
+def _mlx_lm_stream(model, tokenizer, prompt, options, **kwargs):
+    """mlx-lm's own generation, as :class:`Response` s (statistics: mode "mlx-lm")."""
+    from mlx_lm.generate import stream_generate as mlx_lm_stream
+
+    unknown = sorted(set(options) - {"max_tokens"})
+    if unknown:
+        raise ClpError(
+            f"{', '.join(unknown)}: clp-mlx's options, not with mlx-lm's samplers, "
+            "logits_processors or draft_model (use clp_mlx.sample_utils.make_sampler)"
+        )
+    stats = DecodeStats("mlx-lm", 0)
+    for r in mlx_lm_stream(model, tokenizer, prompt, options.get("max_tokens", 256), **kwargs):
+        stats.steps, stats.tokens = r.generation_tokens, r.generation_tokens
+        yield Response(
+            text=r.text, token=r.token, from_draft=r.from_draft, prompt_tokens=r.prompt_tokens,
+            prompt_tps=r.prompt_tps, generation_tokens=r.generation_tokens,
+            generation_tps=r.generation_tps, peak_memory=r.peak_memory,
+            finish_reason=r.finish_reason, stats=stats, logprobs=r.logprobs,
+        )  # fmt: skip
+
+
 def generate(
-    model, tokenizer, prompt, heads: MTPBundle | None = None, *, verbose: bool = False, **kwargs
+    model, tokenizer, prompt, heads: MTPBundle | None = _ATTACHED, *, verbose: bool = False, **kwargs
 ) -> str:
-    """Generate a complete response; with ``verbose``, stream it and print statistics."""
+    """Generate a complete response; with ``verbose``, stream it and print
+    statistics, as mlx-lm does. Arguments: :func:`stream_generate`'s."""
+    if verbose:
+        print("=" * 10)
     text = ""
     last = None
     for last in stream_generate(model, tokenizer, prompt, heads, **kwargs):

@@ -92,7 +92,8 @@ _LOADED: dict = {}
 
 def _run_api(case: dict) -> dict:
     """``load`` (memoised when ``reuse``), then ``generate`` for each of ``runs``."""
-    from clp_mlx import generate, load
+    from clp_mlx import generate
+    from clp_mlx.api import load_with_drafter as load
     from clp_mlx.errors import ClpError
 
     key = json.dumps([case.get("model"), case.get("heads")])

@@ -147,23 +147,23 @@ def folder(tmp_path_factory):
 
 
 def test_load_takes_paths_and_refuses_empty_or_odd_names(folder, monkeypatch):
-    model, tokenizer, heads = api.load(folder)  # a Path, not only a str
+    model, tokenizer, heads = api.load_with_drafter(folder)  # a Path, not only a str
     assert heads is None and model.args.vocab_size == VOCAB
-    assert api.load(str(folder), heads="init", num_draft_tokens=2)[2].k == 2
+    assert api.load_with_drafter(str(folder), heads="init", num_draft_tokens=2)[2].k == 2
     monkeypatch.chdir(folder)  # "" would mean this folder: refused all the same
     for model_arg in ("", "  ", 5, b"x", ["a"]):
         with pytest.raises(ClpError, match="model"):
-            api.load(model_arg)
+            api.load_with_drafter(model_arg)
     for heads_arg in ("", 3):
         with pytest.raises(ClpError, match="heads"):
-            api.load(folder, heads=heads_arg)
+            api.load_with_drafter(folder, heads=heads_arg)
     with pytest.raises(ClpError, match="dtype"):
-        api.load(folder, dtype="float8")
+        api.load_with_drafter(folder, dtype="float8")
     for k in (0, 2.5, 10**6):
         with pytest.raises(ClpError, match="draft tokens"):
-            api.load(folder, heads="init", num_draft_tokens=k)
+            api.load_with_drafter(folder, heads="init", num_draft_tokens=k)
     with pytest.raises(ClpError, match="seed"):
-        api.load(folder, heads="init", seed=-1)
+        api.load_with_drafter(folder, heads="init", seed=-1)
 
 
 @FAST
@@ -184,7 +184,7 @@ _loaded = {}
 
 def loaded(folder):
     if folder not in _loaded:
-        _loaded[folder] = api.load(folder)
+        _loaded[folder] = api.load_with_drafter(folder)
     return _loaded[folder]
 
 
@@ -203,7 +203,7 @@ def test_huge_ids_in_a_subprocess_end_in_one_error(folder):
     """generate(model, tokenizer, [10**9]) once died of SIGSEGV."""
     code = (
         "import clp_mlx\nfrom clp_mlx.api import load, generate\nfrom clp_mlx.errors import ClpError\n"
-        f"m, t, _ = load({str(folder)!r})\n"
+        f"m, t = load({str(folder)!r})\n"
         "for p in ([10**9], [-1], [2**40], [128]):\n"
         "    try:\n        generate(m, t, p, max_tokens=2)\n"
         "    except ClpError as e:\n        print('refused', e)\n"

@@ -177,7 +177,7 @@ def test_no_seed_draws_afresh_a_seed_repeats(plain, capsys, monkeypatch):
         seen.update(kw)
         raise generate.ClpError("stop here")
 
-    monkeypatch.setattr("clp_mlx.api.load", fake_load)
+    monkeypatch.setattr("clp_mlx.api.load_with_drafter", fake_load)
     run(generate.main, ["--drafter", "init"], capsys)
     assert seen["seed"] == 0
 

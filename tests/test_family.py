@@ -153,7 +153,7 @@ def test_tiny_copy_loads_and_decodes(repo, scaling, tmp_path, monkeypatch, token
         config["rope_scaling"] = YARN if scaling == "yarn" else None
     source = hf_folder(tmp_path / repo, config, tokenizer_files)
 
-    model, tokenizer, heads = clp_mlx.load(tmp_path / repo, heads="init", dtype="float32")
+    model, tokenizer, heads = clp_mlx.api.load_with_drafter(tmp_path / repo, heads="init", dtype="float32")
 
     assert model.args.tie_word_embeddings == config["tie_word_embeddings"]
     assert hasattr(model, "lm_head") != config["tie_word_embeddings"]

@@ -8,7 +8,8 @@ import pytest
 import clp_mlx  # noqa: F401  (loads OpenBLAS before mlx)
 
 # isort: split
-from clp_mlx.api import load, stream_generate
+from clp_mlx.api import load_with_drafter as load
+from clp_mlx.api import stream_generate
 from clp_mlx.errors import ClpError
 from clp_mlx.sources.named import NAMED_MODELS, named_from_gguf
 

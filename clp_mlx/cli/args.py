@@ -249,7 +249,7 @@ def load_model(args: argparse.Namespace, config: DecodeConfig):
     """(model, tokenizer, heads, ``config`` resolved for them) as --model,
     --drafter, --dtype, --draft-len and --seed ask (--drafter init: seed 0
     when none is given)."""
-    from ..api import load
+    from ..api import load_with_drafter as load
 
     seed = 0 if args.seed is None else args.seed
     model, tokenizer, heads = load(

@@ -147,7 +147,7 @@ def _methods_for(args, spec, model, heads, draft) -> tuple[list, list]:
 
 def _one_model(args, spec, texts, kind, draft) -> dict:
     """Benchmark one model, print its table; its entry of the JSON."""
-    from ..api import load
+    from ..api import load_with_drafter as load
     from ..model.heads_files import find_heads
     from ..sources.resolve import default_model_name
 
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         texts = instruction_prompts(args.prompts, args.num_prompts)
     import mlx.core as mx
 
-    from ..api import load
+    from ..api import load_with_drafter as load
 
     draft = load(args.draft_model, None)[0] if "mlx-lm-draft" in args.modes else None
     entries = []

@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from ..api import load
+from ..api import load_with_drafter as load
 from ..decode.config import DecodeConfig
 from ..decode.drafters import HeadsDrafter
 from ..decode.lookup import ContextDrafter

@@ -53,7 +53,7 @@ def check_flags(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
 
 def load_pair(args: argparse.Namespace):
     """(model, tokenizer, draft model), as mlx-lm loads them: no drafter."""
-    from ..api import load
+    from ..api import load_with_drafter as load
 
     model, tokenizer, _ = load(args.model, "none", dtype=args.dtype)
     draft, draft_tokenizer, _ = load(args.draft_model, "none", dtype=args.dtype)

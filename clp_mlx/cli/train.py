@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..api import load
+from ..api import load_with_drafter as load
 from ..errors import ClpError
 from ..model.checks import seed
 from ..model.heads import DESIGNS

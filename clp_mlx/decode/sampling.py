@@ -122,10 +122,28 @@ class Sampler:
 
 
 def make_sampler(
-    temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, *, min_p: float = 0.0, seed=None
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    top_k: int = 0,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.0,
+    xtc_special_tokens=None,
+    *,
+    seed: int | None = None,
 ) -> Sampler:
-    """A :class:`Sampler` with mlx-lm's argument names (``top_p`` 1 and ``top_k`` 0: off)."""
-    return Sampler(Sampling(temp, top_p, top_k, seed, min_p))
+    """A :class:`Sampler` with ``mlx_lm.sample_utils.make_sampler``'s arguments
+    and defaults (``top_p`` 0 or 1, ``min_p`` 0 and ``top_k`` 0 are off).
+    ``verify`` keeps its distribution exact with it; XTC and a
+    ``min_tokens_to_keep`` other than 1 are refused."""
+    if xtc_probability or xtc_threshold or xtc_special_tokens:
+        raise ClpError("XTC sampling is not supported by clp-mlx: verify could not stay exact")
+    if min_tokens_to_keep != 1:
+        raise ClpError(
+            f"min_tokens_to_keep must be 1 (min-p keeps the likeliest token), got {min_tokens_to_keep}"
+        )
+    return Sampler(Sampling(temp, top_p or 1.0, top_k, seed, min_p))
 
 
 def _seed(seed: int | None) -> int:
