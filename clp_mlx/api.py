@@ -20,7 +20,7 @@ import mlx.core as mx
 from .model import backbone
 from .decode.config import DecodeConfig
 from .decode.loop import decode
-from .decode.steps import DecodeStats, tokens_of
+from .decode.steps import DecodeStats, tokens_with_logprobs
 from .errors import ClpError
 from .model.tokens import encode
 from .model.heads import MTPBundle
@@ -44,8 +44,9 @@ class Response:
     peak_memory: float  # GB
     finish_reason: str | None
     stats: DecodeStats
-    # mlx-lm's log-probabilities over the vocabulary for this token; None when
-    # clp-mlx decodes (a verify pass commits several tokens from one pass)
+    # the backbone's log-probabilities over the vocabulary where this token
+    # was chosen (lazy: computed if read), as mlx-lm's; None where
+    # the unchecked modes (clp, fixed, gate, prior-mtp) give none
     logprobs: mx.array | None = None
 
 
@@ -220,14 +221,15 @@ def stream_generate(
     stats = DecodeStats(config.mode, config.draft_len or 0)
     detok = tokenizer.detokenizer
     detok.reset()
-    pairs = tokens_of(stats.counting(decode(tokens, model, heads, config, prompt_cache=prompt_cache, context=context)))
+    steps = decode(tokens, model, heads, config, prompt_cache=prompt_cache, context=context)
+    pairs = tokens_with_logprobs(stats.counting(steps))
     max_tokens = config.max_tokens
     tic = time.perf_counter()
     prompt_tps = 0.0
     n = 0
-    token, from_draft, reason = None, False, "length"
+    token, from_draft, logprobs, reason = None, False, None, "length"
     try:
-        for n, (token, from_draft) in enumerate(pairs, start=1):
+        for n, (token, from_draft, logprobs) in enumerate(pairs, start=1):
             if n == 1:
                 prompt_time = time.perf_counter() - tic
                 prompt_tps = len(tokens) / prompt_time
@@ -239,7 +241,8 @@ def stream_generate(
             if n == max_tokens:
                 break
             yield _response(
-                detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, None, stats
+                detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, None, stats,
+                logprobs,
             )
     finally:
         # Also when the caller stops early: the decode generator leaves its
@@ -247,11 +250,12 @@ def stream_generate(
         pairs.close()
     detok.finalize()
     yield _response(
-        detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, reason, stats
+        detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, reason, stats,
+        logprobs,
     )
 
 
-def _response(text, token, from_draft, n_prompt, prompt_tps, n, tic, reason, stats):
+def _response(text, token, from_draft, n_prompt, prompt_tps, n, tic, reason, stats, logprobs):
     elapsed = time.perf_counter() - tic
     return Response(
         text=text,
@@ -264,6 +268,7 @@ def _response(text, token, from_draft, n_prompt, prompt_tps, n, tic, reason, sta
         peak_memory=mx.get_peak_memory() / 1e9,
         finish_reason=reason,
         stats=stats,
+        logprobs=logprobs,
     )
 
 

@@ -152,3 +152,33 @@ def test_our_sampler_keeps_verify_and_refuses_what_it_cannot_do(folder):
         make_sampler(0.5, xtc_probability=0.1)
     with pytest.raises(ClpError, match="min_tokens_to_keep"):
         make_sampler(0.5, min_p=0.1, min_tokens_to_keep=2)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_logprobs_are_the_backbones_as_mlx_lm_gives_them(folder, sampled):
+    from mlx_lm import stream_generate as mlx_stream
+
+    model, tokenizer = api.load(folder, drafter="init")
+    kw = {"sampler": make_sampler(0.9, seed=1)} if sampled else {}
+    ours = list(api.stream_generate(model, tokenizer, "abcabc", max_tokens=16, **kw))
+    assert ours[-1].stats.tokens_per_step > 1 or sampled  # drafts were committed
+    tokens = [r.token for r in ours]
+    # mlx-lm's logprobs for the same tokens: feed them one by one (greedy: it writes them)
+    theirs = list(mlx_stream(model, tokenizer, "abcabc", max_tokens=16)) if not sampled else None
+    for i, r in enumerate(ours):
+        lp = r.logprobs
+        assert lp.shape == (model.args.vocab_size,)
+        assert abs(mx.logsumexp(lp).item()) < 1e-4  # a distribution
+        if theirs is not None:
+            assert theirs[i].token == tokens[i]
+            assert mx.allclose(lp, theirs[i].logprobs, atol=1e-4).item()
+            assert mx.argmax(lp).item() == tokens[i]
+    # and they are the backbone's at each position, as one pass over the whole text gives them
+    ids = tokenizer.encode("abcabc")
+    assert len(ids) == ours[0].prompt_tokens
+    logits = model(mx.array(ids + tokens)[None])[0]
+    want = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for i, r in enumerate(ours):
+        assert mx.allclose(r.logprobs, want[len(ids) - 1 + i], atol=1e-3).item(), i
+    unchecked = list(api.stream_generate(model, tokenizer, "ab", max_tokens=4, mode="fixed"))
+    assert all(r.logprobs is None for r in unchecked)

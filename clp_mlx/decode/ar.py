@@ -12,15 +12,17 @@ from .steps import Step
 
 def ar(model, first: mx.array, cache, max_tokens: int, sampler) -> Iterator[Step]:
     def step(tokens):
-        return sampler(project(model, hidden_states(model, tokens, cache)[-1:]))
+        logits = project(model, hidden_states(model, tokens, cache)[-1:])
+        return sampler(logits), logits
 
     # As mlx-lm: queue step n+1 before handing out token n, so the host work
     # of the caller overlaps the next forward pass.
-    y = step(first)
+    y, logits = step(first)
     mx.async_eval(y)
     for n in range(max_tokens):
         nxt = step(y) if n + 1 < max_tokens else None
         if nxt is not None:
-            mx.async_eval(nxt)
-        yield Step((y.item(),), (False,), 0)
-        y = nxt
+            mx.async_eval(nxt[0])
+        yield Step((y.item(),), (False,), 0, logits=logits)
+        if nxt is not None:
+            y, logits = nxt

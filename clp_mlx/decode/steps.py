@@ -13,12 +13,15 @@ class Step:
     ``tokens``: committed this step, in order. ``from_draft``: for each, whether
     a drafter wrote it (checked or not, by mode). ``accepted``: how many drafts
     were committed. ``fed``: how many drafts the pass that checked them fed
-    (verify; 0 elsewhere)."""
+    (verify; 0 elsewhere). ``logits``: the backbone's logits (lazy, one row
+    per token) for the position each token was chosen at, where a pass
+    computed them (ar, verify); None where drafts are committed unchecked."""
 
     tokens: tuple[int, ...]
     from_draft: tuple[bool, ...]
     accepted: int
     fed: int = 0
+    logits: object = None  # mx.array (len(tokens), V) or None
 
 
 def tokens_of(steps: Iterable[Step]) -> Iterator[tuple[int, bool]]:
@@ -27,6 +30,22 @@ def tokens_of(steps: Iterable[Step]) -> Iterator[tuple[int, bool]]:
         for step in steps:
             yield from zip(step.tokens, step.from_draft)
     finally:  # closed early: the steps' generator leaves its stream context now
+        getattr(steps, "close", lambda: None)()
+
+
+def tokens_with_logprobs(steps: Iterable[Step]) -> Iterator[tuple[int, bool, object]]:
+    """``(token, from_draft, logprobs)``, as mlx-lm's generation yields them:
+    the backbone's log-probabilities over the vocabulary where the step has
+    logits (lazy: computed only if read), else None."""
+    import mlx.core as mx
+
+    try:
+        for step in steps:
+            for i, (token, drafted) in enumerate(zip(step.tokens, step.from_draft)):
+                row = None if step.logits is None else step.logits[i]
+                lp = None if row is None else row - mx.logsumexp(row, keepdims=True)
+                yield token, drafted, lp
+    finally:
         getattr(steps, "close", lambda: None)()
 
 

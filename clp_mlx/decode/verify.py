@@ -42,6 +42,7 @@ class Pass:
     choices: mx.array  # (len(fed),) the backbone's choice after each node
     accepted: mx.array  # () the deepest node of the accepted path
     drafts: PassDrafts  # the drafter's part, at the accepted node
+    logits: mx.array  # (len(fed), V) the backbone's, after each node
 
     def queue(self) -> "Pass":
         """Start evaluating the graph; the host goes on (as mlx-lm queues its next step)."""
@@ -65,9 +66,10 @@ def one_pass(model, drafter, fed: Tree, cache) -> Pass:
     at the accepted node: one lazy graph (see :meth:`Pass.queue`)."""
     start = cache[0].offset
     h = tree_hidden_states(model, fed, cache)
-    choices = check_argmax(project(model, h))
+    logits = project(model, h)
+    choices = check_argmax(logits)
     a = check(fed, choices)
-    return Pass(fed, start, choices, a, drafter.at(h, choices, a))
+    return Pass(fed, start, choices, a, drafter.at(h, choices, a), logits)
 
 
 def commit(done: Pass, cache) -> tuple[list[int], list[int]]:
@@ -115,7 +117,8 @@ def verify(model, drafter, first, cache, config, tree_size: int) -> Iterator[Ste
             fed = propose(drafter, committed, done.drafts, depth, config, costs, tree_size)
             pending = one_pass(model, drafter, fed, cache).queue()
         drafted = tuple(i < len(path) - 1 for i in range(len(committed)))
-        yield Step(tuple(committed), drafted, len(committed) - 1, len(done.fed) - 1)
+        rows = done.logits[mx.array(path[: len(committed)])]
+        yield Step(tuple(committed), drafted, len(committed) - 1, len(done.fed) - 1, rows)
         if produced >= budget:
             return
 

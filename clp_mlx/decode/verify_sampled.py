@@ -32,23 +32,26 @@ from .verify import feed_count
 def sampled_pass(model, drafter, fed: mx.array, q_fed, cache, sampler):
     """Check the drafts in ``fed`` (token t first) and draw the next ones.
 
-    Returns lazily ([a, the next token, its drafts], their q (k, V)).
+    Returns lazily ([a, the next token, its drafts], their q (k, V), the
+    backbone's logits (m+1, V)).
     """
     h = hidden_states(model, fed, cache)  # (m+1, d)
-    p = sampler.log_probs(project(model, h))  # (m+1, V)
+    backbone_logits = project(model, h)
+    p = sampler.log_probs(backbone_logits)  # (m+1, V)
     a, b = accept_drafts(p, q_fed, fed[1:], sampler.next_key())
     # Only the row after the last accepted token drafts: k projected rows,
     # not (m+1)k, and drafters can see the token just drawn.
     d, logits = drafter.draft(h[a][None], b[None], sampler)
     d, q = d[0], sampler.log_probs(logits[0])  # (k,), (k, V)
-    return mx.concatenate([a[None].astype(mx.uint32), b[None], d]), q
+    return mx.concatenate([a[None].astype(mx.uint32), b[None], d]), q, backbone_logits
 
 
 def verify_sampled(model, drafter, first, cache, config, sampler) -> Iterator[Step]:
     produced, budget = 0, config.max_tokens
     fed = [None]
-    out, q = sampled_pass(model, drafter, first, None, cache, sampler)
+    out, q, logits = sampled_pass(model, drafter, first, None, cache, sampler)
     while True:
+        rows = logits
         host = out.tolist()
         m = len(fed) - 1
         a, b, drafts = host[0], host[1], host[2:]
@@ -58,12 +61,12 @@ def verify_sampled(model, drafter, first, cache, config, sampler) -> Iterator[St
         if produced < budget:
             m_next = min(config.draft_len, budget - produced - 1)
             fed = [b] + drafts[:m_next]
-            out, q = sampled_pass(
+            out, q, logits = sampled_pass(
                 model, drafter, mx.array(fed, dtype=mx.uint32), q[:m_next], cache, sampler
             )
             mx.async_eval(out)
         drafted = tuple(i < a for i in range(len(committed)))
-        yield Step(tuple(committed), drafted, len(committed) - 1, m)
+        yield Step(tuple(committed), drafted, len(committed) - 1, m, rows[: len(committed)])
         if produced >= budget:
             return
 
@@ -75,10 +78,12 @@ def point_masses(drafts: mx.array, vocab: int) -> mx.array:
 
 def after_pass(model, drafter, fed: list[int], lq, cache, sampler):
     """Check the drafts in ``fed`` (token t first): lazily ([a, the next
-    token], the drafter's part of the pass at the accepted token)."""
+    token], the drafter's part of the pass at the accepted token, the
+    backbone's logits)."""
     tokens = mx.array(fed, dtype=mx.uint32)
     h = hidden_states(model, tokens, cache)
-    p = sampler.log_probs(project(model, h))
+    logits = project(model, h)
+    p = sampler.log_probs(logits)
     drafts = tokens[1:]
     if lq is None and drafts.size:
         lq = point_masses(drafts, p.shape[-1])
@@ -86,7 +91,7 @@ def after_pass(model, drafter, fed: list[int], lq, cache, sampler):
     # The token after each fed one: the next fed token, and b after the accepted one.
     after = mx.where(mx.arange(tokens.size) == a, b, mx.concatenate([drafts, b[None]]))
     out = mx.stack([a.astype(mx.uint32), b.astype(mx.uint32)])
-    return out, drafter.at(h, after, a)
+    return out, drafter.at(h, after, a), logits
 
 
 def verify_sampled_after(model, drafter, first, cache, config, sampler) -> Iterator[Step]:
@@ -94,8 +99,9 @@ def verify_sampled_after(model, drafter, first, cache, config, sampler) -> Itera
     costs = pass_costs(model, config.draft_len + 1) if config.feed == "cost" else None
     produced, budget = 0, config.max_tokens
     fed = [first.item()]
-    out, got = after_pass(model, drafter, fed, None, cache, sampler)
+    out, got, logits = after_pass(model, drafter, fed, None, cache, sampler)
     while True:
+        rows = logits
         a, b = out.tolist()
         m = len(fed) - 1
         committed = (fed[1 : 1 + a] + [b])[: budget - produced]
@@ -107,8 +113,9 @@ def verify_sampled_after(model, drafter, first, cache, config, sampler) -> Itera
             drafts, logits = drafter.proposal(n, sampler) if n else ([], None)
             lq = None if logits is None else sampler.log_probs(logits)
             fed = [b] + drafts
-            out, got = after_pass(model, drafter, fed, lq, cache, sampler)
+            out, got, logits = after_pass(model, drafter, fed, lq, cache, sampler)
             mx.async_eval(out, *got.lazy())
-        yield Step(tuple(committed), tuple(i < a for i in range(len(committed))), len(committed) - 1, m)
+        drafted = tuple(i < a for i in range(len(committed)))
+        yield Step(tuple(committed), drafted, len(committed) - 1, m, rows[: len(committed)])
         if produced >= budget:
             return
