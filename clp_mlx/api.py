@@ -13,14 +13,15 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-import mlx.core as mx
 
 from .model import backbone
 from .decode.config import DecodeConfig
 from .decode.loop import decode
 from .decode.steps import DecodeStats, tokens_with_logprobs
+from .responses import Response  # noqa: F401  (re-exported: clp_mlx.api.Response)
+from .responses import mlx_lm_stream, print_stats, response
 from .errors import ClpError
 from .model.tokens import encode
 from .model.heads import MTPBundle
@@ -28,26 +29,6 @@ from .model.heads_files import find_heads, init_heads, load_heads
 from .decode.sampling import Sampler, Sampling
 
 DEFAULT_K = 3  # drafts per step for --heads init; trained heads record their own
-
-
-@dataclass
-class Response:
-    """One streamed token, as mlx-lm's ``GenerationResponse`` plus draft facts."""
-
-    text: str
-    token: int
-    from_draft: bool
-    prompt_tokens: int
-    prompt_tps: float
-    generation_tokens: int
-    generation_tps: float
-    peak_memory: float  # GB
-    finish_reason: str | None
-    stats: DecodeStats
-    # the backbone's log-probabilities over the vocabulary where this token
-    # was chosen (lazy: computed if read), as mlx-lm's; None where
-    # the unchecked modes (clp, fixed, gate, prior-mtp) give none
-    logprobs: mx.array | None = None
 
 
 def load_with_drafter(
@@ -205,7 +186,7 @@ def stream_generate(
         raise ClpError(f"pass either config or options, not both ({', '.join(options)})")
     foreign = sampler is not None and not isinstance(sampler, Sampler)
     if foreign or logits_processors or draft_model is not None:
-        yield from _mlx_lm_stream(
+        yield from mlx_lm_stream(
             model, tokenizer, prompt, options, sampler=sampler, prompt_cache=prompt_cache,
             logits_processors=logits_processors, draft_model=draft_model,
         )  # fmt: skip
@@ -240,7 +221,7 @@ def stream_generate(
             detok.add_token(token)
             if n == max_tokens:
                 break
-            yield _response(
+            yield response(
                 detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, None, stats,
                 logprobs,
             )
@@ -249,52 +230,14 @@ def stream_generate(
         # stream context now, not whenever it is garbage-collected.
         pairs.close()
     detok.finalize()
-    yield _response(
+    yield response(
         detok.last_segment, token, from_draft, len(tokens), prompt_tps, n, tic, reason, stats,
         logprobs,
     )
 
 
-def _response(text, token, from_draft, n_prompt, prompt_tps, n, tic, reason, stats, logprobs):
-    elapsed = time.perf_counter() - tic
-    return Response(
-        text=text,
-        token=token,
-        from_draft=from_draft,
-        prompt_tokens=n_prompt,
-        prompt_tps=prompt_tps,
-        generation_tokens=n,
-        generation_tps=n / elapsed if elapsed > 0 else 0.0,
-        peak_memory=mx.get_peak_memory() / 1e9,
-        finish_reason=reason,
-        stats=stats,
-        logprobs=logprobs,
-    )
-
-
-def _mlx_lm_stream(model, tokenizer, prompt, options, **kwargs):
-    """mlx-lm's own generation, as :class:`Response` s (statistics: mode "mlx-lm")."""
-    from mlx_lm.generate import stream_generate as mlx_lm_stream
-
-    unknown = sorted(set(options) - {"max_tokens"})
-    if unknown:
-        raise ClpError(
-            f"{', '.join(unknown)}: clp-mlx's options, not with mlx-lm's samplers, "
-            "logits_processors or draft_model (use clp_mlx.sample_utils.make_sampler)"
-        )
-    stats = DecodeStats("mlx-lm", 0)
-    for r in mlx_lm_stream(model, tokenizer, prompt, options.get("max_tokens", 256), **kwargs):
-        stats.steps, stats.tokens = r.generation_tokens, r.generation_tokens
-        yield Response(
-            text=r.text, token=r.token, from_draft=r.from_draft, prompt_tokens=r.prompt_tokens,
-            prompt_tps=r.prompt_tps, generation_tokens=r.generation_tokens,
-            generation_tps=r.generation_tps, peak_memory=r.peak_memory,
-            finish_reason=r.finish_reason, stats=stats, logprobs=r.logprobs,
-        )  # fmt: skip
-
-
 def generate(
-    model, tokenizer, prompt, heads: MTPBundle | None = _ATTACHED, *, verbose: bool = False, **kwargs
+    model, tokenizer, prompt, heads: MTPBundle | None = _ATTACHED, *, verbose=False, **kwargs
 ) -> str:
     """Generate a complete response; with ``verbose``, stream it and print
     statistics, as mlx-lm does. Arguments: :func:`stream_generate`'s."""
@@ -310,16 +253,3 @@ def generate(
         print()
         print_stats(last)
     return text
-
-
-def print_stats(r: Response) -> None:
-    s = r.stats
-    print("=" * 10)
-    print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
-    print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
-    print(f"Mode: {s.mode}, k={s.k}, steps: {s.steps}, tokens per step: {s.tokens_per_step:.3f}")
-    if s.k:
-        print(
-            "Accepted drafts per step: " + ", ".join(f"{i}: {c}" for i, c in enumerate(s.accepted))
-        )
-    print(f"Peak memory: {r.peak_memory:.3f} GB")
