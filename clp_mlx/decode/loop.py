@@ -28,7 +28,7 @@ from .verify_sampled import verify_sampled, verify_sampled_after
 
 PREFILL_STEP = 2048  # as mlx-lm: long prompts are fed in chunks to bound memory
 
-_stream = mx.new_stream(mx.default_device())
+_stream = mx.new_thread_local_stream(mx.default_device())  # as mlx-lm: usable from any thread
 
 
 def prefill(model, prompt: mx.array, cache) -> mx.array:
