@@ -30,13 +30,15 @@ def served(tmp_path_factory):
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     model, tokenizer, heads = api.load_with_drafter(folder, "init")
     config = DecodeConfig(max_tokens=16).resolve(model, heads)
-    server = serve(Engine(model, tokenizer, heads, config, "tiny"), "127.0.0.1", 0)
+    engine = Engine(model, tokenizer, heads, config, "tiny")
+    server = serve(engine, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     yield url, model, tokenizer, heads
     server.shutdown()
-    server.server_close()
+    with engine.lock:  # no generation left running on a handler thread at exit
+        server.server_close()
 
 
 @pytest.fixture
@@ -161,3 +163,22 @@ def test_a_client_gone_mid_stream_does_not_stop_the_server(served):
         assert s.recv(200).startswith(b"HTTP/1.1 200")
     code, reply = post(served[0] + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})
     assert code == 200 and reply["usage"]["completion_tokens"] == 3
+
+
+def test_a_second_turn_prefills_only_its_new_tokens(served, client):
+    first = [{"role": "user", "content": "xyzzy plugh"}]
+    one = client.chat.completions.create(model="tiny", messages=first, max_tokens=8, temperature=0)
+    _, _, tokenizer, _ = served
+    n_first = len(tokenizer.apply_chat_template(first, add_generation_prompt=True))
+    assert one.usage.prompt_tokens_details.cached_tokens < n_first - 2  # the template's start only
+    answer = one.choices[0].message.content
+    second = [
+        *first,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "again"},
+    ]
+    two = client.chat.completions.create(model="tiny", messages=second, max_tokens=8, temperature=0)
+    # the first turn's prompt and (most of) its answer came from the kept cache
+    assert two.usage.prompt_tokens_details.cached_tokens >= n_first
+    assert two.usage.prompt_tokens_details.cached_tokens < two.usage.prompt_tokens
+    assert two.choices[0].message.content == expected(served, second, 8)  # and nothing changed

@@ -142,9 +142,14 @@ def envelope(req: Request, model_id: str) -> dict:
             "object": kind, "created": int(time.time()), "model": model_id}  # fmt: skip
 
 
-def usage(n_prompt: int, n_completion: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-            "total_tokens": n_prompt + n_completion}  # fmt: skip
+def usage(n_prompt: int, n_completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage; ``cached``: prompt tokens a kept KV cache already held."""
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_completion,
+        "total_tokens": n_prompt + n_completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def choice(req: Request, text: str | None, reason: str | None, logprobs, delta: bool) -> dict:

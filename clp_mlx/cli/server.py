@@ -22,6 +22,7 @@ from ..errors import ClpError
 from ..model.backbone import context_length
 from .args import add_decode_args, add_model_args, decode_config, load_model, parser, run
 from .openai_requests import BadRequest, Request, choice, envelope, parse, usage
+from .prompt_caches import PromptCaches
 
 MAX_BODY = 4 << 20  # bytes
 
@@ -31,6 +32,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0: any free one)")
+    p.add_argument(
+        "--prompt-cache-size", type=int, default=4,
+        help="KV caches kept for requests that extend earlier ones (default: 4; 0: none)",
+    )  # fmt: skip
     add_decode_args(p, max_tokens=512, seed=None)
     return p
 
@@ -38,9 +43,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 class Engine:
     """The model and how it decodes; one generation at a time."""
 
-    def __init__(self, model, tokenizer, heads, config, model_id: str):
+    def __init__(self, model, tokenizer, heads, config, model_id: str, cache_size: int = 4):
         self.model, self.tokenizer, self.heads, self.config = model, tokenizer, heads, config
         self.model_id, self.lock = model_id, threading.Lock()
+        self.caches = PromptCaches(model, cache_size)
+        self.cached = 0  # how many prompt tokens the last request found in a kept cache
 
     def prompt_ids(self, req: Request) -> list[int]:
         if req.chat:
@@ -64,9 +71,15 @@ class Engine:
         config = replace(self.config, max_tokens=req.max_tokens, sampling=req.sampling)
         hold = max((len(s) for s in req.stop), default=1) - 1
         text, sent, entries = "", 0, []
-        responses = stream_generate(self.model, self.tokenizer, ids, self.heads, config=config)
+        cache, self.cached = self.caches.take(ids)
+        tokens = list(ids)  # what the cache holds at the end: the prompt and the answer
+        responses = stream_generate(
+            self.model, self.tokenizer, ids[self.cached :], self.heads, config=config,
+            prompt_cache=cache, context=ids[: self.cached],
+        )  # fmt: skip
         try:
             for r in responses:
+                tokens.append(r.token)
                 text += r.text
                 if req.logprobs and r.logprobs is not None and r.finish_reason != "stop":
                     entries.append(self._logprob(r.token, r.logprobs, req.top_logprobs))
@@ -83,6 +96,7 @@ class Engine:
                     sent, entries = end, []
         finally:
             responses.close()  # a client gone mid-stream stops the generation
+            self.caches.give_back(cache, tokens)
 
     def _logprob(self, token: int, logprobs, top: int) -> dict:
         import mlx.core as mx
@@ -155,7 +169,8 @@ class Handler(BaseHTTPRequestHandler):
         n = last.generation_tokens if last is not None else 0
         body = {**envelope(req, self.engine.model_id),
                 "choices": [choice(req, text, reason, entries, delta=False)],
-                "usage": usage(len(ids), n), "clp_mlx": statistics(last)}  # fmt: skip
+                "usage": usage(len(ids), n, self.engine.cached),
+                "clp_mlx": statistics(last)}  # fmt: skip
         self._json(200, body)
 
     def _stream(self, req: Request, ids: list[int]):
@@ -176,7 +191,11 @@ class Handler(BaseHTTPRequestHandler):
                 self._event(chunk)
             if req.include_usage:
                 self._event(
-                    {**head, "choices": [], "usage": usage(len(ids), last.generation_tokens)}
+                    {
+                        **head,
+                        "choices": [],
+                        "usage": usage(len(ids), last.generation_tokens, self.engine.cached),
+                    }
                 )
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
@@ -211,7 +230,11 @@ def main(argv=None) -> int:
         raise ClpError(f"--port must be in 0..65535, got {args.port}")
     config = decode_config(args)
     model, tokenizer, heads, resolved = load_model(args, config)
-    engine = Engine(model, tokenizer, heads, resolved, args.model or "default")
+    if args.prompt_cache_size < 0:
+        raise ClpError(f"--prompt-cache-size must be 0 or more, got {args.prompt_cache_size}")
+    engine = Engine(
+        model, tokenizer, heads, resolved, args.model or "default", args.prompt_cache_size
+    )
     server = serve(engine, args.host, args.port)
     host, port = server.server_address[:2]
     print(f"serving {engine.model_id} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
