@@ -121,6 +121,9 @@ def statistics(r) -> dict:
 class Handler(BaseHTTPRequestHandler):
     engine: Engine  # set on the subclass serve() makes
     protocol_version = "HTTP/1.1"
+    # A client that sends or reads nothing for this long is dropped: one that
+    # stops reading a stream would otherwise hold the model from everyone.
+    timeout = 60
 
     def log_message(self, format, *args):  # noqa: A002 (the base class's name)
         pass  # quiet, as a library; errors go to the client
@@ -199,8 +202,8 @@ class Handler(BaseHTTPRequestHandler):
                 )
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client left; events() closed the generation
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True  # the client left or stalled: events() closed the run
 
     def _event(self, data: dict):
         self.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")
