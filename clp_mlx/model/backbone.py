@@ -193,12 +193,6 @@ def output_rows(model: nn.Module, ids: mx.array | None = None) -> mx.array:
     )
 
 
-def output_weight(model: nn.Module) -> mx.array:
-    """The whole (vocab, hidden) output projection matrix: :func:`output_rows`
-    of every token (dequantized, a float copy, if the layer is quantized)."""
-    return output_rows(model)
-
-
 def embed(model: nn.Module, tokens: mx.array) -> mx.array:
     return model.model.embed_tokens(tokens)
 
