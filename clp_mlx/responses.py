@@ -54,6 +54,9 @@ def mlx_lm_stream(model, tokenizer, prompt, options, **kwargs):
     """mlx-lm's own generation, as :class:`Response` s (statistics: mode "mlx-lm")."""
     from mlx_lm.generate import stream_generate as mlx_lm_stream
 
+    options = dict(options)
+    if kwargs.get("draft_model") is not None and "num_draft_tokens" in options:
+        kwargs["num_draft_tokens"] = options.pop("num_draft_tokens")  # mlx-lm's meaning here
     unknown = sorted(set(options) - {"max_tokens"})
     if unknown:
         raise ClpError(

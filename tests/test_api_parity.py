@@ -137,6 +137,11 @@ def test_mlx_lms_samplers_and_processors_run_mlx_lms_generation(folder):
     assert responses[-1].stats.mode == "mlx-lm" and responses[0].logprobs is not None
     with pytest.raises(ClpError, match="mode"):
         list(api.stream_generate(model, tokenizer, "ab", mode="verify", logits_processors=processors))
+    # a draft model, with mlx-lm's num_draft_tokens: mlx-lm's speculative decoding
+    want = mlx_generate(model, tokenizer, "ab", max_tokens=8, draft_model=model, num_draft_tokens=2)
+    got = list(api.stream_generate(model, tokenizer, "ab", max_tokens=8, draft_model=model,
+                                   num_draft_tokens=2))  # fmt: skip
+    assert "".join(r.text for r in got) == want and any(r.from_draft for r in got)
 
 
 def test_our_sampler_keeps_verify_and_refuses_what_it_cannot_do(folder):
