@@ -114,6 +114,7 @@ def post(url, body, raw=None):
         ({"messages": MESSAGES, "model": "gpt-4"}, None, 404, "model"),
         ({"messages": MESSAGES, "stop": [1]}, None, 400, "stop"),
         ({"messages": MESSAGES, "max_tokens": 10**9}, None, 400, "messages"),  # past the context
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, None, 400, "messages"),  # no UTF-8
     ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_serves_on(served, body, raw, status, param):
@@ -122,6 +123,21 @@ def test_bad_requests_get_openai_errors_and_the_server_serves_on(served, body, r
     assert code == status and reply["error"]["param"] == param and reply["error"]["message"]
     code, reply = post(url, {"messages": MESSAGES, "max_tokens": 2})
     assert code == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+def test_text_and_templates_the_tokenizer_refuses_are_400s(served):
+    code, reply = post(served[0] + "/v1/completions", {"prompt": "a\ud800b", "max_tokens": 2})
+    assert code == 400 and reply["error"]["param"] == "prompt"
+    _, _, tokenizer, _ = served
+    old = tokenizer.chat_template
+    tokenizer.chat_template = "{{ raise_exception('no system messages') }}"
+    try:
+        code, reply = post(served[0] + "/v1/chat/completions", {"messages": MESSAGES})
+    finally:
+        tokenizer.chat_template = old
+    assert code == 400 and "no system messages" in reply["error"]["message"]
+    code, reply = post(served[0] + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+    assert code == 200
 
 
 def test_concurrent_clients_each_get_their_own_whole_answer(served):

@@ -20,8 +20,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ..api import stream_generate
 from ..errors import ClpError
 from ..model.backbone import context_length
+from ..model.tokens import check_text, encode
 from .args import add_decode_args, add_model_args, decode_config, load_model, parser, run
 from .openai_requests import BadRequest, Request, choice, envelope, parse, usage
+from .prompt import render
 from .prompt_caches import PromptCaches
 
 MAX_BODY = 4 << 20  # bytes
@@ -50,12 +52,21 @@ class Engine:
         self.cached = 0  # how many prompt tokens the last request found in a kept cache
 
     def prompt_ids(self, req: Request) -> list[int]:
-        if req.chat:
-            if self.tokenizer.chat_template is None:
-                raise BadRequest("this model has no chat template: use /v1/completions")
-            ids = self.tokenizer.apply_chat_template(req.prompt, add_generation_prompt=True)
-        else:
-            ids = self.tokenizer.encode(req.prompt)
+        """The request's token ids: the chat under the template (as generate
+        renders it), or the text; text UTF-8 cannot carry, or a template that
+        refuses the messages, is a 400."""
+        try:
+            if req.chat:
+                if self.tokenizer.chat_template is None:
+                    raise BadRequest("this model has no chat template: use /v1/completions")
+                for i, m in enumerate(req.prompt):
+                    check_text(m["content"], f"messages[{i}].content")
+                text = render(self.tokenizer, req.prompt, False, {})
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = encode(self.tokenizer, req.prompt)
+        except ClpError as e:
+            raise BadRequest(str(e), "messages" if req.chat else "prompt") from None
         limit = context_length(self.model)
         if limit is not None and len(ids) + req.max_tokens > limit:
             where = "messages" if req.chat else "prompt"
@@ -106,8 +117,10 @@ class Engine:
             return {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
 
         out = entry(token, logprobs[token].item())
-        best = mx.argsort(-logprobs)[:top].tolist() if top else []
-        out["top_logprobs"] = [entry(t, logprobs[t].item()) for t in best]
+        best = mx.argpartition(-logprobs, top - 1)[:top].tolist() if top else []  # no full sort
+        out["top_logprobs"] = sorted(
+            (entry(t, logprobs[t].item()) for t in best), key=lambda e: -e["logprob"]
+        )
         return out
 
 
