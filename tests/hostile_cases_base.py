@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 GEN, CHAT, CONVERT = "clp_mlx.generate", "clp_mlx.chat", "clp_mlx.cli.convert"
 TRAIN, BENCH = "clp_mlx.train", "clp_mlx.bench"
 STEP, DISTILL = "clp_mlx.cli.bench_step", "clp_mlx.cli.distill"
+SERVER = "clp_mlx.server"
 VOCAB = 128  # the tiny model's embedding rows
 # fmt: off
 TINY_TRAIN = ["--steps", "2", "--batch", "2", "--max-tokens", "96", "--prompt-tokens", "4",

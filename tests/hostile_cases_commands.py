@@ -7,6 +7,7 @@ from hostile_cases_base import (
     BENCH,
     CHAT,
     DISTILL,
+    SERVER,
     STEP,
     TINY_TRAIN,
     TRAIN,
@@ -50,6 +51,13 @@ GENERATE_FLAGS = [  # (name, flags, allowed exit codes)
     ("template-config-list", "--chat-template-config [1]", 1),
     ("extra-eos-bogus", "--extra-eos-token no-such-token", 1),
     ("prefill-step-0", "--prefill-step-size 0", 1), ("max-kv-size-1", "--max-kv-size 1", 1),
+]
+SERVER_FLAGS = [  # (name, flags, exit code); every good flag set would serve, not exit
+    ("port-negative", "--port -1", 1), ("port-70000", "--port 70000", 1),
+    ("port-letters", "--port http", 2), ("prompt-cache-negative", "--prompt-cache-size -1", 1),
+    ("host-not-here", "--host 203.0.113.7", 1), ("host-unknown", "--host no-such-host.invalid", 1),
+    ("max-tokens-0", "-m 0", 1), ("temp-nan", "--temp nan", 1),
+    ("heads-missing", "--heads /nonexistent-hostile", 1), ("mode-bogus", "--mode bogus", 2),
 ]
 # fmt: on
 
@@ -131,5 +139,10 @@ def decode_flags(batch: Batch, s: Inputs) -> None:
     for name, size in [("max-kv-size-1", "1"), ("max-kv-size-negative", "-3")]:
         c = batch.new(f"chat-flags/{name}", "3")
         c.cli(CHAT, "--model", s.chat_model, "--heads", "init", "--max-kv-size", size, stdin=b"q\n")
+    for name, flags, code in SERVER_FLAGS:
+        c = batch.new(f"server-flags/{name}", "3")
+        c.cli(SERVER, "--model", s.model, "--heads", "init", *flags.split(), expect=(code,))
+    c = batch.new("server-flags/model-missing", "3")
+    c.cli(SERVER, "--model", c.inp / "no-model", "--port", "0")
     c = batch.new("chat-flags/model-without-template", "3")
     c.cli(CHAT, "--model", s.model, "--heads", "init", stdin=b"q\n")

@@ -4,41 +4,20 @@ bad requests get OpenAI-style 4xx errors and the server serves on."""
 
 import json
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
-from conftest import tiny_model, write_model_folder
+from server_helpers import MESSAGES, post, running, tiny_engine
 
 from clp_mlx import api
-from clp_mlx.cli.server import Engine, serve
-from clp_mlx.decode.config import DecodeConfig
 
 openai = pytest.importorskip("openai", reason="the openai client is a test extra")
-
-TEMPLATE = (
-    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
-MESSAGES = [{"role": "user", "content": "abcabc"}]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = write_model_folder(tmp_path_factory.mktemp("server") / "tiny", tiny_model(0))
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    model, tokenizer, heads = api.load_with_drafter(folder, "init")
-    config = DecodeConfig(max_tokens=16).resolve(model, heads)
-    engine = Engine(model, tokenizer, heads, config, "tiny")
-    server = serve(engine, "127.0.0.1", 0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    yield url, model, tokenizer, heads
-    server.shutdown()
-    with engine.lock:  # no generation left running on a handler thread at exit
-        server.server_close()
+    engine = tiny_engine(tmp_path_factory.mktemp("server") / "tiny")
+    with running(engine) as url:
+        yield url, engine.model, engine.tokenizer, engine.heads
 
 
 @pytest.fixture
@@ -90,16 +69,6 @@ def test_stop_strings_cut_the_answer(served, client):
     )
     assert got.choices[0].message.content == want[: want.find(stop)]
     assert got.choices[0].finish_reason == "stop"
-
-
-def post(url, body, raw=None):
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.mark.parametrize(

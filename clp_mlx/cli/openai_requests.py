@@ -73,10 +73,15 @@ def parse(
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     model = body.get("model")
-    if model is not None and (not isinstance(model, str) or model not in model_ids):
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", "model")
+    if model is not None and model not in model_ids:
         raise BadRequest(f"the model {model!r} does not exist; this server has {sorted(model_ids)}",
                          "model", 404)  # fmt: skip
     prompt = _messages(body) if chat else _prompt(body)
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise BadRequest("'n' must be 1: one answer per request", "n")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _number({key: limit}, key, 1, whole=True, default=default_max)

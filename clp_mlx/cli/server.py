@@ -138,7 +138,7 @@ class Handler(BaseHTTPRequestHandler):
     # stops reading a stream would otherwise hold the model from everyone.
     timeout = 60
 
-    def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+    def log_message(self, format, *args):
         pass  # quiet, as a library; errors go to the client
 
     def do_GET(self):
@@ -158,24 +158,39 @@ class Handler(BaseHTTPRequestHandler):
         routes = {"/v1/chat/completions": True, "/v1/completions": False}
         if self.path not in routes:
             return self._json(404, BadRequest(f"no route POST {self.path}", status=404).body())
+        engine = self.engine
         try:
-            size = int(self.headers.get("Content-Length") or 0)
-            if not 0 < size <= MAX_BODY:
-                raise BadRequest(f"a body of 1 to {MAX_BODY} bytes is needed (Content-Length)",
-                                 status=413 if size > MAX_BODY else 400)  # fmt: skip
-            raw = self.rfile.read(size)
-            engine = self.engine
+            raw = self._body()
+            if raw is None:
+                return  # the client stalled or left while sending its body
             ids_ok = {engine.model_id, "default"}
             req = parse(
                 raw, routes[self.path], ids_ok, engine.config.max_tokens, engine.config.sampling
             )
             ids = engine.prompt_ids(req)
-        except ValueError:
-            return self._json(400, BadRequest("Content-Length must be a number").body())
         except BadRequest as e:
             return self._json(e.status, e.body())
         with engine.lock:
             self._stream(req, ids) if req.stream else self._whole(req, ids)
+
+    def _body(self) -> bytes | None:
+        """The request's body, or None when the client sent less than it
+        declared (the connection is closed); a bad Content-Length is a 4xx."""
+        try:
+            size = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise BadRequest("Content-Length must be a number") from None
+        if not 0 < size <= MAX_BODY:
+            raise BadRequest(f"a body of 1 to {MAX_BODY} bytes is needed (Content-Length)",
+                             status=413 if size > MAX_BODY else 400)  # fmt: skip
+        try:
+            raw = self.rfile.read(size)
+        except (TimeoutError, ConnectionError):
+            raw = b""
+        if len(raw) < size:
+            self.close_connection = True
+            return None
+        return raw
 
     def _whole(self, req: Request, ids: list[int]):
         text, entries, reason, last = "", [], "length", None
@@ -231,9 +246,10 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def serve(engine: Engine, host: str, port: int) -> ThreadingHTTPServer:
-    """A server bound to ``host:port`` (not yet serving: call serve_forever)."""
-    handler = type("BoundHandler", (Handler,), {"engine": engine})
+def serve(engine: Engine, host: str, port: int, handler=None) -> ThreadingHTTPServer:
+    """A server bound to ``host:port`` (not yet serving: call serve_forever);
+    ``handler``: a :class:`Handler` subclass, to change its socket settings."""
+    handler = type("BoundHandler", (handler or Handler,), {"engine": engine})
     try:
         return ThreadingHTTPServer((host, port), handler)
     except OSError as e:
@@ -244,10 +260,10 @@ def main(argv=None) -> int:
     args = setup_arg_parser().parse_args(argv)
     if not 0 <= args.port < 65536:
         raise ClpError(f"--port must be in 0..65535, got {args.port}")
-    config = decode_config(args)
-    model, tokenizer, heads, resolved = load_model(args, config)
     if args.prompt_cache_size < 0:
         raise ClpError(f"--prompt-cache-size must be 0 or more, got {args.prompt_cache_size}")
+    config = decode_config(args)
+    model, tokenizer, heads, resolved = load_model(args, config)
     engine = Engine(
         model, tokenizer, heads, resolved, args.model or "default", args.prompt_cache_size
     )
