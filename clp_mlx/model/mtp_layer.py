@@ -1,0 +1,122 @@
+"""The MTP layer: one decoder layer, shared across draft depths, with attention.
+
+As FastMTP's shared MTP module and EAGLE's draft head: at position ``s`` it
+reads the backbone's hidden state ``h_s`` and the embedding of the token
+after it, ``x_{s+1}``,
+
+    u_s = W [RMSNorm(h_s) ; RMSNorm(embed(x_{s+1}))]          (W: 2d -> d)
+    g_s = Block(u_s)          (one Qwen2 decoder layer, mlx-lm's class)
+
+and drafts ``x_{s+2}`` through the backbone's final norm and output
+projection. The next depth reads ``g_s`` in place of a hidden state, with the
+token it drafted, at position ``s + 1``; one set of weights drafts every
+depth. Attention runs over the layer's own keys of earlier positions, which
+follow the committed tokens (built from the backbone's hidden states).
+
+:meth:`MTPLayer.unrolled` is the training form ("training-time test", as
+EAGLE-3): all depths for every anchor ``s`` at once, where depth ``j`` at
+anchor ``s`` sees depth-1 keys of anchors ``<= s`` and its own anchor's keys
+of depths ``2..j``, exactly what decoding computes one step at a time
+(:meth:`MTPLayer.step`; a test checks that the two agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import qwen2
+
+
+def block_args(args, mlp_size: int = 0):
+    """The backbone's config for the layer's block, with an optional
+    narrower MLP (``mlp_size`` 0: the backbone's own width)."""
+    return replace(args, intermediate_size=mlp_size or args.intermediate_size)
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, args, mlp_size: int = 0):
+        super().__init__()
+        d, eps = args.hidden_size, args.rms_norm_eps
+        self.h_norm = nn.RMSNorm(d, eps=eps)
+        self.e_norm = nn.RMSNorm(d, eps=eps)
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.block = qwen2.TransformerBlock(block_args(args, mlp_size))
+
+    def start_from(self, layer: qwen2.TransformerBlock) -> None:
+        """Copy a backbone decoder layer's weights (its MLP's first rows
+        when this one is narrower): a start that already reads the
+        backbone's features."""
+        mine = self.block.mlp.gate_proj.weight.shape[0]
+        out = {}
+        for name, w in tree_flatten(layer.parameters()):
+            if name.startswith(("mlp.gate_proj", "mlp.up_proj")):
+                w = w[:mine]
+            elif name.startswith("mlp.down_proj"):
+                w = w[:, :mine]
+            out[name] = w
+        self.block.update(tree_unflatten(list(out.items())))
+
+    def fuse(self, h: mx.array, emb: mx.array) -> mx.array:
+        return self.fc(mx.concatenate([self.h_norm(h), self.e_norm(emb)], axis=-1))
+
+    def qkv(self, x: mx.array, offset: int):
+        """Queries (B, H, L, hd), keys and values (B, Hkv, L, hd) of ``x``
+        (B, L, d) at positions ``offset ..``."""
+        attn, (b, n, _) = self.block.self_attn, x.shape
+        x = self.block.input_layernorm(x)
+        q = attn.q_proj(x).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = attn.v_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+
+    def finish(self, x: mx.array, heads_out: mx.array) -> mx.array:
+        """The block after attention: output projection, residual, MLP."""
+        b, _, n, _ = heads_out.shape
+        h = x + self.block.self_attn.o_proj(heads_out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        return h + self.block.mlp(self.block.post_attention_layernorm(h))
+
+    def step(self, x: mx.array, offset: int, past: tuple | None, mask=None):
+        """Decoding: ``x`` (1, n, d) fused inputs at positions ``offset..``,
+        attending over ``past`` (keys, values) and causally over themselves.
+        Returns the outputs (1, n, d) and the keys and values with these."""
+        q, k, v = self.qkv(x, offset)
+        if past is not None:
+            k, v = mx.concatenate([past[0], k], axis=2), mx.concatenate([past[1], v], axis=2)
+        n, total = x.shape[1], k.shape[2]
+        if mask is None and n > 1:
+            mask = mx.arange(total)[None] <= (total - n + mx.arange(n))[:, None]
+        scale = self.block.self_attn.scale
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return self.finish(x, out), (k, v)
+
+    def unrolled(self, h: mx.array, tokens_emb, depths: int) -> list[mx.array]:
+        """Training: outputs per depth, each (B, L, d), for anchors ``s`` of
+        ``h`` (B, L, d). ``tokens_emb(j)`` gives the embeddings (B, L, d) of
+        the token each anchor's depth ``j`` reads (1-based: ``x_{s+j}``)."""
+        attn = self.block.self_attn
+        groups = attn.n_heads // attn.n_kv_heads
+        length = h.shape[1]
+        causal = mx.arange(length)[None] <= mx.arange(length)[:, None]
+        feature, outs, own_k, own_v = h, [], [], []
+        for j in range(1, depths + 1):
+            x = self.fuse(feature, tokens_emb(j))
+            q, k, v = self.qkv(x, j - 1)
+            if j == 1:
+                k1 = mx.repeat(k, groups, axis=1)
+                v1 = mx.repeat(v, groups, axis=1)
+            else:
+                own_k.append(mx.repeat(k, groups, axis=1))
+                own_v.append(mx.repeat(v, groups, axis=1))
+            scores = (q * attn.scale) @ k1.swapaxes(-1, -2)  # (B, H, L, L)
+            scores = mx.where(causal, scores, -mx.inf)
+            diag = [mx.sum(q * attn.scale * kk, axis=-1, keepdims=True) for kk in own_k]
+            p = mx.softmax(mx.concatenate([scores, *diag], axis=-1), axis=-1, precise=True)
+            out = p[..., :length] @ v1
+            for i, vv in enumerate(own_v):
+                out = out + p[..., length + i : length + i + 1] * vv
+            feature = self.finish(x, out)
+            outs.append(feature)
+        return outs

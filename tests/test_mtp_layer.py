@@ -1,0 +1,58 @@
+"""The MTP layer's training form (all depths at once) computes what decoding
+computes one step at a time, for every anchor and depth."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+from clp_mlx.model.mtp_layer import MTPLayer
+
+DEPTHS, LENGTH = 3, 9
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model(0)
+    mx.random.seed(3)
+    layer = MTPLayer(model.args, mlp_size=48)
+    layer.start_from(model.model.layers[-1])
+    h = mx.random.normal((1, LENGTH, model.args.hidden_size)) * 3
+    tokens = mx.random.randint(0, 128, (1, LENGTH + DEPTHS))
+    embed = model.model.embed_tokens
+    return layer, h, tokens, embed
+
+
+def test_unrolled_equals_step_by_step_decoding(setup):
+    layer, h, tokens, embed = setup
+    outs = layer.unrolled(h, lambda j: embed(tokens[:, j : j + LENGTH]), DEPTHS)
+    for s in range(LENGTH):
+        x = layer.fuse(h[:, : s + 1], embed(tokens[:, 1 : s + 2]))
+        g, past = layer.step(x, 0, None)  # depth 1 for anchors 0..s: the committed keys
+        feature = g[:, -1:]
+        np.testing.assert_allclose(feature[0, 0], outs[0][0, s], rtol=1e-4, atol=1e-4)
+        for j in range(2, DEPTHS + 1):
+            x = layer.fuse(feature, embed(tokens[:, s + j : s + j + 1]))
+            feature, past = layer.step(x, s + j - 1, past)
+            np.testing.assert_allclose(feature[0, 0], outs[j - 1][0, s], rtol=1e-4, atol=1e-4)
+
+
+def test_a_later_anchor_never_changes_an_earlier_one(setup):
+    layer, h, tokens, embed = setup
+    outs = layer.unrolled(h, lambda j: embed(tokens[:, j : j + LENGTH]), DEPTHS)
+    h2 = mx.concatenate([h[:, :4], h[:, 4:] * -1.0], axis=1)
+    outs2 = layer.unrolled(h2, lambda j: embed(tokens[:, j : j + LENGTH]), DEPTHS)
+    for a, b in zip(outs, outs2):
+        np.testing.assert_allclose(a[0, :4], b[0, :4], rtol=1e-5, atol=1e-5)
+        assert not np.allclose(a[0, 4:], b[0, 4:])
+
+
+def test_start_from_copies_the_backbone_layer():
+    model = tiny_model(0)
+    layer = MTPLayer(model.args, mlp_size=48)
+    layer.start_from(model.model.layers[-1])
+    src = model.model.layers[-1]
+    np.testing.assert_array_equal(layer.block.self_attn.q_proj.weight, src.self_attn.q_proj.weight)
+    np.testing.assert_array_equal(
+        layer.block.mlp.down_proj.weight, src.mlp.down_proj.weight[:, :48]
+    )
