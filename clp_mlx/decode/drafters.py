@@ -27,6 +27,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from ..errors import ClpError
 from .lookup import ContextDrafter, CopyOdds
 
 
@@ -37,9 +38,10 @@ class PassDrafts:
     h: mx.array | None  # (1, d) the backbone's hidden state there (None: not needed)
     scores: mx.array | None  # (k+1,) CLP's scores for accepting 0..k drafts (None: no CLP)
     branches: mx.array | None  # (width, k) drafts made inside the pass, or None
+    fed: mx.array | None = None  # (n, d) hidden states at every fed token (own-cache drafters)
 
     def lazy(self) -> list[mx.array]:
-        return [x for x in (self.h, self.scores, self.branches) if x is not None]
+        return [x for x in (self.h, self.scores, self.branches, self.fed) if x is not None]
 
 
 class Drafter(Protocol):
@@ -52,6 +54,10 @@ class Drafter(Protocol):
         each; ``accepted`` (): the fed token the accepted path ends at, where
         the next drafts start (a drafter with its own cache extends it with
         the accepted path's states)."""
+
+    def prompt(self, hidden: mx.array, tokens: mx.array) -> None:
+        """Prefill: the backbone's hidden states (n, d) at the next n prompt
+        positions and the token after each (for a drafter with its own cache)."""
 
     def extend(self, tokens: list[int]) -> None:
         """Tokens committed to the output (without :meth:`observe`)."""
@@ -95,8 +101,11 @@ class HeadsDrafter:
             branches = self.heads.draft_branches(self.model, h, b, self.width)
         return PassDrafts(h, self.heads.clp_logits(h[0]), branches)
 
-    def extend(self, tokens) -> None:
+    def prompt(self, hidden, tokens) -> None:
         pass  # the heads see only the hidden state and token t+1
+
+    def extend(self, tokens) -> None:
+        pass
 
     def observe(self, committed, got: PassDrafts) -> list[float]:
         self._got, self._b = got, committed[-1]
@@ -145,6 +154,9 @@ class CopyThenHeads:
 
     def at(self, hidden, choices, accepted) -> PassDrafts:
         return self.heads.at(hidden, choices, accepted)
+
+    def prompt(self, hidden, tokens) -> None:
+        pass  # the context came with the constructor
 
     def extend(self, tokens) -> None:
         self.copies.extend(tokens)
@@ -195,6 +207,9 @@ class CopyDrafter:
     def at(self, hidden, choices, accepted) -> PassDrafts:
         return PassDrafts(None, None, None)
 
+    def prompt(self, hidden, tokens) -> None:
+        pass
+
     def extend(self, tokens) -> None:
         self.copies.extend(tokens)
 
@@ -221,12 +236,21 @@ class CopyDrafter:
         raise NotImplementedError("copies are drafted after the pass (in_pass is False)")
 
 
-def make_drafter(model, heads, config, tokens: list[int], width: int = 1) -> Drafter | None:
-    """The drafter a resolved ``config`` asks for; ``tokens``: the context so far."""
+def make_drafter(
+    model, heads, config, tokens: list[int], width: int = 1, start: int = 0
+) -> Drafter | None:
+    """The drafter a resolved ``config`` asks for; ``tokens``: the context so
+    far; ``start``: the position the prompt starts at (a kept cache's length)."""
     if config.mode == "ar":
         return None
     if heads is None:
         return CopyDrafter(config.draft_len, tokens)
+    if heads.config.design == "mtp":
+        from .mtp_drafter import MTPDrafter
+
+        if config.mode != "verify":
+            raise ClpError(f"an MTP-layer drafter decodes in verify mode only, not {config.mode}")
+        return MTPDrafter(model, heads, start)
     if config.context_drafts:
         return CopyThenHeads(HeadsDrafter(model, heads, width, in_pass=False), tokens)
     return HeadsDrafter(model, heads, width)

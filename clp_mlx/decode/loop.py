@@ -31,11 +31,14 @@ PREFILL_STEP = 2048  # as mlx-lm: long prompts are fed in chunks to bound memory
 _stream = mx.new_thread_local_stream(mx.default_device())  # as mlx-lm: usable from any thread
 
 
-def prefill(model, prompt: mx.array, cache) -> mx.array:
-    """Feed all but the last prompt token; return what is left to feed."""
+def prefill(model, prompt: mx.array, cache, drafter=None) -> mx.array:
+    """Feed all but the last prompt token; return what is left to feed.
+    ``drafter`` sees each chunk's hidden states (:meth:`.drafters.Drafter.prompt`)."""
     while prompt.size > 1:
         n = min(PREFILL_STEP, prompt.size - 1)
-        hidden_states(model, prompt[:n], cache)
+        h = hidden_states(model, prompt[:n], cache)
+        if drafter is not None:
+            drafter.prompt(h, prompt[1 : n + 1])
         mx.eval([c.state for c in cache])
         prompt = prompt[n:]
         mx.clear_cache()
@@ -82,10 +85,10 @@ def decode(
     sampler = Sampler(config.sampling)
     size, width = tree_shape(config, heads, cache) if config.mode == "verify" else (0, 1)
     known = context + ids if config.context_drafts else []
-    drafter = make_drafter(model, heads, config, known, width)
+    drafter = make_drafter(model, heads, config, known, width, held)
 
     with mx.stream(_stream):
-        first = prefill(model, prompt, cache)
+        first = prefill(model, prompt, cache, drafter)
         if config.mode == "ar":
             yield from ar(model, first, cache, config.max_tokens, sampler)
         elif config.mode == "verify" and sampler.greedy:

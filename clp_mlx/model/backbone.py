@@ -92,7 +92,9 @@ def check_config(path: Path) -> dict:
     qwen2_config(config, str(file))
     layers = _weight_layers(path)
     if config.get("num_hidden_layers", 0) > layers:
-        raise ClpError(f"{file} says {config['num_hidden_layers']} layers; the weights hold {layers}")
+        raise ClpError(
+            f"{file} says {config['num_hidden_layers']} layers; the weights hold {layers}"
+        )
     return config
 
 

@@ -59,7 +59,9 @@ def token_ids(values, vocab: int, what: str = "the prompt") -> list[int]:
     (MLX or NumPy). Text, bytes, bools, floats and nested lists are refused.
     """
     if isinstance(values, (str, bytes, bytearray)):
-        raise ClpError(f"{what} must be token ids here, not {type(values).__name__}: encode it first")
+        raise ClpError(
+            f"{what} must be token ids here, not {type(values).__name__}: encode it first"
+        )
     if hasattr(values, "ndim") and hasattr(values, "dtype"):  # an MLX or NumPy array
         if values.ndim != 1 or "int" not in str(values.dtype):
             raise ClpError(
@@ -94,7 +96,13 @@ _FACTOR_NEEDED = ("linear", "dynamic", "yarn")  # rope_scaling types mlx-lm read
 
 def json_kind(value) -> str:
     """What JSON calls the type of ``value``, for messages."""
-    kinds = {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}
+    kinds = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "true/false",
+        type(None): "null",
+    }
     return kinds.get(type(value), "a number")
 
 
@@ -116,17 +124,28 @@ def qwen2_config(config, where: str) -> dict:
             if key == "max_position_embeddings":  # optional: mlx-lm has a default
                 continue
             raise ClpError(f"{where}: {key} is missing")
-        whole(config[key], f"{where}: {key}", 1, MAX_LAYERS if key == "num_hidden_layers" else SHAPE_MAX)
+        whole(
+            config[key],
+            f"{where}: {key}",
+            1,
+            MAX_LAYERS if key == "num_hidden_layers" else SHAPE_MAX,
+        )
     for key in ("rms_norm_eps", "rope_theta"):
         if key in config and not real(config[key], f"{where}: {key}") > 0:
             raise ClpError(f"{where}: {key} must be above 0, got {config[key]}")
     for key in ("tie_word_embeddings", "rope_traditional"):
         if key in config and not isinstance(config[key], bool):
             raise ClpError(f"{where}: {key} must be true or false, not {json_kind(config[key])}")
-    hidden, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    hidden, heads, kv = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
     if hidden % heads or heads % kv or (hidden // heads) % 2:
-        raise ClpError(f"{where}: hidden_size {hidden}, {heads} attention heads and {kv} key-value heads "
-                       "do not fit (an even head size, attention heads a multiple of key-value heads)")
+        raise ClpError(
+            f"{where}: hidden_size {hidden}, {heads} attention heads and {kv} key-value heads "
+            "do not fit (an even head size, attention heads a multiple of key-value heads)"
+        )
     _rope_scaling(config.get("rope_scaling"), f"{where}: rope_scaling")
     return config
 
@@ -139,10 +158,14 @@ def _rope_scaling(scaling, what: str) -> None:
         raise ClpError(f"{what} must be an object or null, not {json_kind(scaling)}")
     kind = scaling.get("type") or scaling.get("rope_type", "default")
     if not isinstance(kind, str):
-        raise ClpError(f"{what}: its type must be a name such as \"yarn\", not {json_kind(kind)}")
+        raise ClpError(f'{what}: its type must be a name such as "yarn", not {json_kind(kind)}')
     if kind in _FACTOR_NEEDED and "factor" not in scaling:
         raise ClpError(f"{what}: type {kind!r} needs a factor")
     if "factor" in scaling and not real(scaling["factor"], f"{what}: factor") > 0:
         raise ClpError(f"{what}: factor must be above 0, got {scaling['factor']}")
     if "original_max_position_embeddings" in scaling:
-        whole(scaling["original_max_position_embeddings"], f"{what}: original_max_position_embeddings", 1)
+        whole(
+            scaling["original_max_position_embeddings"],
+            f"{what}: original_max_position_embeddings",
+            1,
+        )

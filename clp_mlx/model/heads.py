@@ -22,10 +22,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import backbone
+from .mtp_layer import MTPLayer
 from ..errors import ClpError
 
 FORMAT = "clp-mlx-heads"
-DESIGNS = ("medusa", "embed", "chain")
+DESIGNS = ("medusa", "embed", "chain", "mtp")
 GATE_PARAMS = 1_000_000  # the paper's gate baseline is "about 1M parameters"
 PROBE_MIN_COSINE = 0.99  # same weights in fp32/fp16/4-bit agree to > 0.995
 
@@ -128,6 +129,7 @@ class HeadsConfig:
     clp_norm: bool = False  # CLP sees h / rms(h) (fitted so since the context drafts)
     tree_branches: int = 5  # verify trees: head 1's best tokens a tree holds (1: a chain)
     backbone: str = ""  # a name for people; matching uses the fields above
+    layer: dict = field(default_factory=dict)  # "mtp": the decoder layer's shape (mtp_layer)
     format: str = FORMAT
     version: int = 1
 
@@ -144,7 +146,9 @@ class MTPBundle(nn.Module):
         self.config = config
         d, k = config.hidden_size, config.k
         block = ResBlock if config.design == "medusa" else EmbedHead
-        self.heads = [block(d) for _ in range(k)]
+        self.heads = [] if config.design == "mtp" else [block(d) for _ in range(k)]
+        if config.design == "mtp":  # one layer drafts every depth (decode/mtp_drafter.py)
+            self.mtp = MTPLayer.of_shape(config.layer, d)
         self.clp = nn.Linear(d, k + 1)
         if config.lookup:
             # CLP's logits gain a row per context match length (0 = none, the

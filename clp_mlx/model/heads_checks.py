@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 from ..errors import ClpError
 from .checks import real, whole
 from .heads import DESIGNS, FORMAT, HeadsConfig, MTPBundle
+from .mtp_layer import SHAPE
 
 MAX_K = 64  # drafts per step; the paper's heads draft 3 to 5
 MAX_LOOKUP = 32  # longest n-gram context drafts match
@@ -68,6 +69,25 @@ def _design(value, what: str) -> str:
     return value
 
 
+def _layer(value, what: str) -> dict:
+    """An MTP layer's shape: the fields :data:`.mtp_layer.SHAPE` names, positive."""
+    if not isinstance(value, dict):
+        raise ClpError(f"{what} must be an object")
+    if not value:
+        return {}
+    out = {}
+    for key, kind in SHAPE.items():
+        if key not in value:
+            raise ClpError(f"{what} lacks {key}")
+        v = value[key]
+        out[key] = whole(v, f"{what}.{key}", 1) if kind is int else real(v, f"{what}.{key}")
+        if out[key] <= 0:
+            raise ClpError(f"{what}.{key} must be positive, got {v!r}")
+    if out["num_attention_heads"] % out["num_key_value_heads"]:
+        raise ClpError(f"{what}: num_attention_heads must be a multiple of num_key_value_heads")
+    return out
+
+
 FIELDS = {  # heads.json field -> its check
     "k": lambda v, w: whole(v, w, 1, MAX_K),
     "design": _design,
@@ -85,6 +105,7 @@ FIELDS = {  # heads.json field -> its check
     "backbone": _text,
     "format": _text,
     "version": lambda v, w: whole(v, w, 1),
+    "layer": _layer,
 }
 
 
@@ -93,7 +114,12 @@ def config_from_meta(meta: dict, where: Path) -> HeadsConfig:
     if "k" not in meta:
         raise ClpError(f"{where}: the field k (drafts per step) is missing; {FIX}")
     values = {n: check(meta[n], f"{where}: {n}") for n, check in FIELDS.items() if n in meta}
-    return HeadsConfig(**values)
+    config = HeadsConfig(**values)
+    if (config.design == "mtp") != bool(config.layer):
+        raise ClpError(f"{where}: the design mtp, and only it, needs the field layer; {FIX}")
+    if config.design == "mtp" and config.hidden_size % config.layer["num_attention_heads"]:
+        raise ClpError(f"{where}: hidden_size is not a multiple of layer.num_attention_heads")
+    return config
 
 
 def read_weights(path: Path) -> dict:
@@ -115,8 +141,10 @@ def check_parts(config: HeadsConfig, arrays: dict, where: Path, vocab: int) -> N
     Checked before a bundle is built, so that no size in heads.json decides
     an allocation that the file does not back."""
     heads = {name.split(".")[1] for name in arrays if name.startswith("heads.")}
-    if heads != {str(i) for i in range(config.k)}:
-        raise ClpError(f"{where}: heads.json says k={config.k}; the weights hold heads {sorted(heads)}")
+    if heads != ({str(i) for i in range(config.k)} if config.design != "mtp" else set()):
+        raise ClpError(
+            f"{where}: heads.json says k={config.k}; the weights hold heads {sorted(heads)}"
+        )
     sized = {  # field: (its value, the array that holds it, the array's axis)
         "gate_hidden": (config.gate_hidden, "gate.fc1.weight", 0),
         "lookup": (config.lookup and config.lookup + 1, "clp_context", 0),
@@ -126,11 +154,17 @@ def check_parts(config: HeadsConfig, arrays: dict, where: Path, vocab: int) -> N
     for field, (size, name, axis) in sized.items():
         held = arrays.get(name)
         if bool(size) != (held is not None) or (
-            held is not None and axis is not None and (held.ndim <= axis or held.shape[axis] != size)
+            held is not None
+            and axis is not None
+            and (held.ndim <= axis or held.shape[axis] != size)
         ):
-            raise ClpError(f"{where}: heads.json's {field} does not match the weights' {name}; {FIX}")
+            raise ClpError(
+                f"{where}: heads.json's {field} does not match the weights' {name}; {FIX}"
+            )
     if config.draft_vocab > vocab:
-        raise ClpError(f"{where}: draft_vocab {config.draft_vocab} is larger than the vocabulary {vocab}")
+        raise ClpError(
+            f"{where}: draft_vocab {config.draft_vocab} is larger than the vocabulary {vocab}"
+        )
 
 
 def check_names(bundle: MTPBundle, arrays: dict, before="", after="", complete=True) -> None:
@@ -146,7 +180,9 @@ def check_names(bundle: MTPBundle, arrays: dict, before="", after="", complete=T
     for name, a in arrays.items():
         if tuple(a.shape) != tuple(expected[name].shape):
             need = tuple(expected[name].shape)
-            raise ClpError(f"{before}{name} has shape {tuple(a.shape)}, this backbone needs {need}{after}")
+            raise ClpError(
+                f"{before}{name} has shape {tuple(a.shape)}, this backbone needs {need}{after}"
+            )
 
 
 def check_arrays(bundle: MTPBundle, arrays: dict, where: Path, vocab: int) -> None:

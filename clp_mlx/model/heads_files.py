@@ -20,6 +20,7 @@ from ..errors import ClpError
 from ..paths import atomic_folder, cache_root
 from . import backbone, checks, heads_checks
 from .heads import PROBE_MIN_COSINE, Gate, HeadsConfig, MTPBundle, gate_hidden_size
+from .mtp_layer import SHAPE
 
 
 def init_heads(
@@ -31,8 +32,11 @@ def init_heads(
     gate: bool = True,
     head0: bool = True,
     name: str = "",
+    layer: dict | None = None,
 ) -> MTPBundle:
-    """Fresh heads for ``model``, as training starts from them (seeded)."""
+    """Fresh heads for ``model``, as training starts from them (seeded);
+    ``layer``: for the design "mtp", its layer's shape (None: the backbone's
+    layers', see :meth:`.mtp_layer.MTPLayer.shape`)."""
     what = "the number of draft tokens (--draft-len)"
     k = checks.whole(checks.whole(k, what, 1), what, most=heads_checks.MAX_K)
     mx.random.seed(checks.seed(seed))
@@ -49,6 +53,8 @@ def init_heads(
         head0=head0,
         backbone=name,
     )
+    if design == "mtp":
+        config.layer = layer or {key: kind(getattr(model.args, key)) for key, kind in SHAPE.items()}
     bundle = MTPBundle(config)
     bundle.set_dtype(_float_dtype(model))
     mx.eval(bundle.parameters())

@@ -25,9 +25,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx import nn
 from mlx_lm.models import qwen2
+
+SHAPE = {  # the block's config fields a drafter file records, and their types
+    "num_attention_heads": int, "num_key_value_heads": int, "intermediate_size": int,
+    "rms_norm_eps": float, "rope_theta": float, "max_position_embeddings": int,
+}  # fmt: skip
 
 
 def block_args(args, mlp_size: int = 0):
@@ -45,19 +49,34 @@ class MTPLayer(nn.Module):
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.block = qwen2.TransformerBlock(block_args(args, mlp_size))
 
-    def start_from(self, layer: qwen2.TransformerBlock) -> None:
-        """Copy a backbone decoder layer's weights (its MLP's first rows
-        when this one is narrower): a start that already reads the
-        backbone's features."""
-        mine = self.block.mlp.gate_proj.weight.shape[0]
-        out = {}
-        for name, w in tree_flatten(layer.parameters()):
-            if name.startswith(("mlp.gate_proj", "mlp.up_proj")):
-                w = w[:mine]
-            elif name.startswith("mlp.down_proj"):
-                w = w[:, :mine]
-            out[name] = w
-        self.block.update(tree_unflatten(list(out.items())))
+    @classmethod
+    def of_shape(cls, shape: dict, hidden_size: int) -> MTPLayer:
+        """A layer of the recorded ``shape`` (:meth:`shape`)."""
+        args = qwen2.ModelArgs(
+            model_type="qwen2", hidden_size=hidden_size, num_hidden_layers=1,
+            vocab_size=1, **{k: shape[k] for k in SHAPE},
+        )  # fmt: skip
+        return cls(args)
+
+    def shape(self) -> dict:
+        """What :meth:`of_shape` needs (besides the hidden size) to make this layer again."""
+        args = self.block.args
+        return {k: t(getattr(args, k)) for k, t in SHAPE.items()}
+
+    def start_as_backbone(self, final_norm: nn.RMSNorm) -> None:
+        """Start where the backbone's output is: the block's residual branches
+        at zero, the embedding's input at zero, and the hidden state's norm
+        undoing the final norm's weight, so that the final norm of a fresh
+        layer's output is its input ``h``, and its first drafts are the
+        backbone's own next-token choice (as this project's Medusa heads
+        start at the identity). A random start meets the final norm's large
+        weights and makes confident nonsense: a first loss of ~35 nats."""
+        w = final_norm.weight.astype(mx.float32)
+        self.h_norm.weight = 1.0 / mx.where(mx.abs(w) < 1e-3, 1e-3, w)
+        d = w.shape[0]
+        self.fc.weight = mx.concatenate([mx.eye(d), mx.zeros((d, d))], axis=1)
+        self.block.self_attn.o_proj.weight = mx.zeros_like(self.block.self_attn.o_proj.weight)
+        self.block.mlp.down_proj.weight = mx.zeros_like(self.block.mlp.down_proj.weight)
 
     def fuse(self, h: mx.array, emb: mx.array) -> mx.array:
         return self.fc(mx.concatenate([self.h_norm(h), self.e_norm(emb)], axis=-1))

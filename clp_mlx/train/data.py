@@ -96,9 +96,7 @@ def features_for(
 def _text_features(model, tokenizer, files, folder: Path, k: int, source: FeatureSource, split):
     """Source "text": the text teacher-forced, and (``split``) held-out
     greedy continuations of prompts cut from the text after it."""
-    tokens = tokenize_files(
-        tokenizer, files, seq_len=source.seq_len, max_tokens=source.max_tokens
-    )
+    tokens = tokenize_files(tokenizer, files, seq_len=source.seq_len, max_tokens=source.max_tokens)
     extract(model, tokens, folder)
     if not split:
         return _positions(folder, k)

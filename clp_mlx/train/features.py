@@ -16,9 +16,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..model import backbone
 from ..decode.sampling import greedy
 from ..errors import ClpError
+from ..model import backbone
 from ..paths import atomic_file, write_text
 
 CHUNK_SEQS = 8  # sequences per file: small enough to lose little on an interrupt

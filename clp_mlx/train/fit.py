@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx import nn
 
 from ..model.heads_files import init_heads, save_heads
 from ..paths import write_text

@@ -203,7 +203,13 @@ def distill(
                     _make_shard(model, out, j, prompts_of, settings, bar.update)
                     made += 1
     whole = sum(store.sidecar(out, j).is_file() for j in mine)  # verified or made above
-    return {"shards": settings.shards, "mine": len(mine), "made": made, "whole": whole, "busy": busy}
+    return {
+        "shards": settings.shards,
+        "mine": len(mine),
+        "made": made,
+        "whole": whole,
+        "busy": busy,
+    }
 
 
 def _whole(out: Path, j: int) -> bool:

@@ -40,7 +40,9 @@ _MARK = "\x00clp-magpie\x00"
 def user_prefix(tokenizer) -> list[int]:
     """The chat template rendered up to where the user's text starts."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ClpError("--kind magpie needs an instruct model with a chat template; this one has none")
+        raise ClpError(
+            "--kind magpie needs an instruct model with a chat template; this one has none"
+        )
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=False
     )

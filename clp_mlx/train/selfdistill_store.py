@@ -22,9 +22,9 @@ import fcntl
 import hashlib
 import json
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -81,7 +81,11 @@ def _differences(old: dict, new: dict, compared: tuple[str, ...]) -> list[str]:
     for key in compared:
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            differ += [f"{k} ({a.get(k)} there, {b.get(k)} here)" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+            differ += [
+                f"{k} ({a.get(k)} there, {b.get(k)} here)"
+                for k in sorted(a.keys() | b.keys())
+                if a.get(k) != b.get(k)
+            ]
         elif a != b:
             differ.append("input content (files or prompts)" if key == "inputs" else key)
     return differ
@@ -159,7 +163,11 @@ def write_shard(out: Path, j: int, parts: dict[str, list], kind: str) -> dict:
             for key, array in pack(rows, kind).items():
                 np.save(tmp / f"{key}.npy", array)
         positions = sum(len(r.tokens) for r in rows)
-        folders[name] = {"rows": len(rows), "positions": positions, "sha256": folder_sha256(out / name)}
+        folders[name] = {
+            "rows": len(rows),
+            "positions": positions,
+            "sha256": folder_sha256(out / name),
+        }
     info = {"shard": j, "folders": folders}
     write_text(sidecar(out, j), json.dumps(info, indent=1, sort_keys=True) + "\n")
     return info

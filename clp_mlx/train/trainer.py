@@ -20,14 +20,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model import backbone
 from ..model.heads import MTPBundle
-from ..paths import atomic_file, write_text
+from ..paths import atomic_file
 
 
 @dataclass
@@ -135,28 +135,48 @@ class HeadTrainer:
 
     # -- checkpoints ---------------------------------------------------
     def save(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
         arrays = dict(tree_flatten(self.bundle.parameters(), prefix=".model"))
         arrays.update(tree_flatten(self.opt.state, prefix=".opt"))
-        with atomic_file(folder / "state.safetensors") as tmp, open(tmp, "wb") as f:
-            mx.save_safetensors(f, arrays)  # a file, not a name: MLX would add ".safetensors"
-        meta = {"step": self.step, "config": asdict(self.cfg)}
-        write_text(folder / "state.json", json.dumps(meta))
+        save_checkpoint(folder, arrays, {"step": self.step, "config": asdict(self.cfg)})
 
     def restore(self, folder: Path) -> bool:
-        meta_path = folder / "state.json"
-        if not meta_path.exists():
+        got = load_checkpoint(folder, asdict(self.cfg))
+        if got is None:
             return False
-        meta = json.loads(meta_path.read_text())
-        if meta["config"] != asdict(self.cfg):
-            return False  # another configuration: start afresh
-        arrays = mx.load(str(folder / "state.safetensors"))
-        model = [(k[len("model.") :], v) for k, v in arrays.items() if k.startswith("model.")]
-        self.bundle.load_weights(model)
-        opt = [(k[len("opt.") :], v) for k, v in arrays.items() if k.startswith("opt.")]
-        self.opt.state = tree_unflatten(opt)
+        arrays, meta = got
+        self.bundle.load_weights(part(arrays, "model"))
+        self.opt.state = tree_unflatten(part(arrays, "opt"))
         self.step = meta["step"]
         return True
+
+
+CHECKPOINT = "state.safetensors"
+
+
+def save_checkpoint(folder: Path, arrays: dict, meta: dict) -> None:
+    """Weights, optimizer state and ``meta`` (step, config, ...) in one file,
+    replaced atomically: a kill leaves the last whole checkpoint."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_file(folder / CHECKPOINT) as tmp, open(tmp, "wb") as f:
+        # a file, not a name: MLX would add ".safetensors"
+        mx.save_safetensors(f, arrays, metadata={"meta": json.dumps(meta)})
+
+
+def load_checkpoint(folder: Path, config: dict):
+    """(arrays, meta) of the checkpoint in ``folder`` made with ``config``;
+    None when there is none, or it is of another configuration."""
+    path = folder / CHECKPOINT
+    if not path.is_file():
+        return None
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    meta = json.loads(metadata.get("meta", "{}"))
+    return (arrays, meta) if meta.get("config") == config else None
+
+
+def part(arrays: dict, prefix: str) -> list:
+    """The ``prefix.``-named arrays, without the prefix."""
+    n = len(prefix) + 1
+    return [(k[n:], v) for k, v in arrays.items() if k.startswith(prefix + ".")]
 
 
 def teacher_embeddings(model, bundle: MTPBundle, batch: dict):

@@ -1,0 +1,119 @@
+"""``python -m clp_mlx.cli.train_mtp``: train the MTP layer on self-distilled data.
+
+    python -m clp_mlx.cli.train_mtp --data D/wikitext D/code D/magpie --out mtp-05b
+    python -m clp_mlx.cli.train_mtp --data D/wikitext --out mtp-05b --eval
+
+``--data``: folders that ``python -m clp_mlx.cli.distill`` wrote (docs/DATA.md),
+for the same backbone. Training is checkpointed in ``--out`` every
+``--checkpoint-every`` steps and goes on from there when run again with the
+same flags; ``--eval`` scores the checkpoint on the held-out rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import ClpError
+from ..train.mtp_trainer import MTPTrainConfig
+from .args import parser, run
+
+FLAGS = ("depths", "mlp_size", "steps", "batch", "lr", "warmup", "decay", "draft_vocab", "seed")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = parser("python -m clp_mlx.cli.train_mtp", __doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="as for generate (default: the 0.5B)")
+    p.add_argument("--data", nargs="+", required=True, help="self-distilled data folders")
+    p.add_argument("--out", required=True, help="checkpoint folder (made, or resumed)")
+    p.add_argument("--eval", action="store_true", help="score --out on the held-out rows")
+    defaults = MTPTrainConfig()
+    for name in FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)),
+                       default=getattr(defaults, name))  # fmt: skip
+    p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    cfg = MTPTrainConfig(**{n: getattr(args, n) for n in FLAGS},
+                         checkpoint_every=args.checkpoint_every)  # fmt: skip
+    for name in ("depths", "steps", "batch", "draft_vocab", "checkpoint_every"):
+        if getattr(cfg, name) < 1:
+            raise ClpError(f"--{name.replace('_', '-')} must be 1 or more")
+    if not 0 < cfg.lr < 1 or not 0 < cfg.decay <= 1 or cfg.mlp_size < 0 or cfg.warmup < 0:
+        raise ClpError("--lr must be in (0, 1), --decay in (0, 1], --mlp-size and --warmup >= 0")
+    missing = [d for d in args.data if not (Path(d) / "manifest.json").is_file()]
+    if missing:
+        raise ClpError(f"not a self-distilled data folder (no manifest.json): {missing[0]}")
+    trainer = _trainer(args, cfg)
+    out = Path(args.out)
+    if args.eval:
+        from ..train.mtp_data import Rows
+        from ..train.mtp_trainer import evaluate
+
+        if not trainer.restore(out):
+            raise ClpError(f"no checkpoint of these flags in {out}")
+        report = {"step": trainer.step, "config": asdict(cfg)}
+        for d in args.data:
+            report[Path(d).name] = evaluate(trainer, Rows.of([Path(d)], heldout=True))
+        print(json.dumps(report, indent=1))
+        return 0
+    _train(trainer, out, args.quiet)
+    from ..model.heads_files import save_heads
+    from ..train.mtp_trainer import to_bundle
+
+    bundle = to_bundle(trainer, args.model or "")
+    save_heads(bundle, out / "drafter", force=True, extra={"training": asdict(cfg)})
+    print(f"drafter written to {out / 'drafter'}", file=sys.stderr)
+    return 0
+
+
+def _trainer(args, cfg: MTPTrainConfig):
+    import mlx.core as mx
+
+    from ..api import load_with_drafter
+    from ..model.mtp_layer import MTPLayer
+    from ..train.mtp_data import Rows
+    from ..train.mtp_trainer import MTPTrainer
+    from ..train.trainer import draft_vocabulary
+
+    model, _, _ = load_with_drafter(args.model, "none")
+    try:
+        rows = Rows.of([Path(d) for d in args.data])
+    except ValueError:
+        raise ClpError("the data folders hold no whole training shard yet") from None
+    width = next(iter(rows.parts))["hidden"].shape[2]
+    if width != model.args.hidden_size:
+        raise ClpError(f"the data's hidden states are {width} wide; this model's are "
+                       f"{model.args.hidden_size}: data of another backbone")  # fmt: skip
+    ids = draft_vocabulary(rows.greedy_tokens(), cfg.draft_vocab, model.args.vocab_size)
+    mx.random.seed(cfg.seed)  # the same start in every run of these flags
+    layer = MTPLayer(model.args, cfg.mlp_size)
+    layer.start_as_backbone(model.model.norm)
+    return MTPTrainer(model, layer, rows, cfg, ids)
+
+
+def _train(trainer, out: Path, quiet: bool) -> None:
+    from tqdm import tqdm
+
+    cfg = trainer.cfg
+    if trainer.restore(out):
+        print(f"resuming at step {trainer.step}", file=sys.stderr)
+    bar = tqdm(total=cfg.steps, initial=trainer.step, disable=quiet, desc="MTP layer")
+    while trainer.step < cfg.steps:
+        loss, acc = trainer.train_step()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in acc))
+        if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
+            trainer.save(out)
+    bar.close()
+
+
+if __name__ == "__main__":
+    run(main)

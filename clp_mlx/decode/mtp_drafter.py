@@ -1,0 +1,100 @@
+"""The MTP layer as a :class:`.drafters.Drafter`: drafts with its own KV cache.
+
+The layer's cache follows the committed tokens, as the backbone's does: the
+prompt's positions are added at prefill (:meth:`MTPDrafter.prompt`), and
+after each pass the accepted positions, with the backbone's hidden states
+there and the token committed after each. Then depth 1 at the last of them
+drafts the token after the backbone's, and each further depth reads the
+previous depth's output and draft one position on; these draft positions
+are attention keys for the later depths only, and never enter the cache
+(the next pass brings the backbone's own states for whatever it accepts).
+
+Its scores for the feed decision are its own: the chance of a run of ``n``
+accepted drafts, from each draft's probability under the layer (over the
+draft vocabulary), until a CLP is trained on top of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ..model import backbone
+from .drafters import PassDrafts
+
+
+class MTPDrafter:
+    in_pass = False  # drafts after the pass: it needs the accepted positions first
+
+    def __init__(self, model, bundle, start: int = 0):
+        self.model, self.bundle, self.layer = model, bundle, bundle.mtp
+        self.k = bundle.k
+        self.past = None  # (keys, values) of the committed positions
+        self.offset = start  # the backbone position the next committed entry takes
+        self._drafts: list[int] = []
+
+    def prompt(self, hidden: mx.array, tokens: mx.array) -> None:
+        """Prefill: ``hidden`` (n, d) at the next n positions, ``tokens`` (n,)
+        the token after each."""
+        self._append(hidden, tokens)
+        mx.eval(*self.past)
+
+    def _append(self, hidden: mx.array, tokens: mx.array) -> mx.array:
+        emb = backbone.embed(self.model, tokens.astype(mx.uint32))
+        x = self.layer.fuse(hidden[None].astype(emb.dtype), emb[None])
+        g, self.past = self.layer.step(x, self.offset, self.past)
+        self.offset += hidden.shape[0]
+        return g[:, -1:]
+
+    def at(self, hidden, choices, accepted) -> PassDrafts:
+        return PassDrafts(None, None, None, fed=hidden)
+
+    def extend(self, tokens) -> None:
+        pass  # positions come with their hidden states, through observe
+
+    def observe(self, committed, got: PassDrafts) -> list[float]:
+        n = len(committed)
+        g = self._append(got.fed[:n], mx.array(committed))
+        tokens, probs = self._draft(g, committed[-1])
+        mx.eval(tokens, probs, *self.past)
+        self._drafts = tokens.tolist()
+        return run_scores(probs.tolist())
+
+    def _draft(self, g: mx.array, last: int):
+        """Greedy drafts after ``last`` through the layer's depths, and the
+        probability the layer gave each (over the draft vocabulary)."""
+        past, tokens, probs, prev = self.past, [], [], mx.array([last])
+        for depth in range(self.k):
+            if depth:
+                emb = backbone.embed(self.model, prev.astype(mx.uint32))
+                x = self.layer.fuse(g, emb[None].astype(g.dtype))
+                g, past = self.layer.step(x, self.offset + depth - 1, past)
+            scores, ids = self.bundle._draft_scores(self.model, self.model.model.norm(g[0]))
+            best = mx.argmax(scores, axis=-1)
+            probs.append(mx.softmax(scores.astype(mx.float32), axis=-1)[0, best[0]])
+            prev = best if ids is None else ids[best]
+            tokens.append(prev[0])
+        return mx.stack(tokens), mx.stack(probs)
+
+    def can_branch(self) -> bool:
+        return False
+
+    def candidates(self, depth: int, count: int) -> list[list[int]]:
+        return [self._drafts[:depth]]
+
+    def proposal(self, depth, sampler):
+        return self._drafts[:depth], None  # greedy drafts: point masses, still exact
+
+    def draft(self, h, b, sampler=None):
+        raise NotImplementedError("the MTP layer drafts after the pass (in_pass is False)")
+
+
+def run_scores(probs: list[float]) -> list[float]:
+    """Log-chances of runs of 0..k accepted drafts, taking draft ``j`` to be
+    accepted with probability ``probs[j]`` once those before it are."""
+    out, alive = [], 1.0
+    for p in [*probs, 0.0]:
+        out.append(math.log(max(alive * (1.0 - p), 1e-12)))
+        alive *= p
+    return out

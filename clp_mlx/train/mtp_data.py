@@ -1,0 +1,90 @@
+"""Self-distilled rows (:mod:`.selfdistill_store`) as batches for the MTP layer.
+
+A batch is whole rows: the backbone's hidden states (B, L, d) and tokens
+(B, L + depths + 1), and per depth ``j`` (1-based) the flat (row, anchor)
+indices whose target ``x_{s+j+1}`` is a greedy token of the row (at or past
+the prompt, before ``row_len``) and in the draft vocabulary, with those
+targets as draft-vocabulary indices.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .selfdistill_store import load_shard, shard_folders
+
+
+class Rows:
+    """The rows of some shard folders, memory-mapped, padded to one length."""
+
+    def __init__(self, folders: list[Path]):
+        if not folders:
+            raise ValueError("no shard folders")
+        self.parts = [load_shard(f) for f in folders]
+        self.length = max(p["tokens"].shape[1] for p in self.parts)
+        self.where = [(i, r) for i, p in enumerate(self.parts) for r in range(len(p["tokens"]))]
+
+    @classmethod
+    def of(cls, dirs: list[Path], heldout: bool = False) -> Rows:
+        return cls([f for d in dirs for f in shard_folders(Path(d), heldout)])
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def positions(self) -> int:
+        return int(sum(p["row_len"].sum() - p["prompt_len"].sum() for p in self.parts))
+
+    def greedy_tokens(self) -> np.ndarray:
+        """Every greedy (generated) token, for choosing the draft vocabulary."""
+        out = []
+        for p in self.parts:
+            for row, start, end in zip(p["tokens"], p["prompt_len"], p["row_len"]):
+                out.append(np.asarray(row[start:end]))
+        return np.concatenate(out)
+
+    def gather(self, rows: np.ndarray, depths: int):
+        """Hidden (B, L, d) float32, tokens (B, L + depths + 1) with -1 as padding,
+        prompt and row lengths (B,)."""
+        width = self.length + depths + 1
+        tokens = np.full((rows.size, width), -1, dtype=np.int64)
+        hidden, starts, ends = [], [], []
+        for b, i in enumerate(rows):
+            part, r = self.where[i]
+            p = self.parts[part]
+            n = int(p["row_len"][r])
+            tokens[b, :n] = p["tokens"][r, :n]
+            h = np.zeros((self.length, p["hidden"].shape[2]), dtype=np.float32)
+            h[:n] = p["hidden"][r, :n]
+            hidden.append(h)
+            starts.append(int(p["prompt_len"][r]))
+            ends.append(n)
+        return np.stack(hidden), tokens, np.array(starts), np.array(ends)
+
+
+def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray) -> dict:
+    """A training batch of rows ``idx`` (see the module's docstring)."""
+    hidden, tokens, starts, ends = rows.gather(idx, depths)
+    length = rows.length
+    s = np.arange(length)[None]
+    out = {"h": mx.array(hidden), "tokens": mx.array(np.maximum(tokens, 0))}
+    for j in range(1, depths + 1):
+        target_at = s + j + 1
+        ok = (target_at >= starts[:, None]) & (target_at < ends[:, None])
+        target = np.take_along_axis(tokens, np.minimum(target_at, tokens.shape[1] - 1), 1)
+        mapped = id_map[np.maximum(target, 0)]
+        ok &= mapped >= 0
+        flat = np.flatnonzero(ok)
+        out[f"at{j}"] = mx.array(flat.astype(np.int32))
+        out[f"y{j}"] = mx.array(mapped.reshape(-1)[flat].astype(np.int32))
+        out[f"all{j}"] = int(((target_at >= starts[:, None]) & (target_at < ends[:, None])).sum())
+    return out
+
+
+def id_map_of(vocab_ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Token id -> draft-vocabulary index (-1: not in it)."""
+    out = np.full(vocab_size, -1, dtype=np.int64)
+    out[vocab_ids] = np.arange(len(vocab_ids))
+    return out

@@ -1,0 +1,156 @@
+"""Training the MTP layer on self-distilled rows, with the recursion unrolled.
+
+Every depth's loss is a cross-entropy over the draft vocabulary against the
+backbone's greedy token, weighted ``decay ** (j - 1)`` (FastMTP's and
+EAGLE-3's depth-decayed weights); depth ``j > 1`` reads the layer's own
+feature from depth ``j - 1`` ("training-time test", :meth:`MTPLayer.unrolled`)
+and the greedy token before its target, which is the token the previous depth
+drafted whenever its draft is accepted. Batches come from a generator seeded
+by (seed, step), and the optimizer state is checkpointed with the layer, so a
+resumed run takes the same steps as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx import nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..model import backbone
+from ..model.mtp_layer import MTPLayer
+from .mtp_data import Rows, batch, id_map_of
+from .trainer import load_checkpoint, part, save_checkpoint, walked_tokens_per_pass
+
+
+@dataclass
+class MTPTrainConfig:
+    depths: int = 3  # depths trained (drafts per pass at most)
+    mlp_size: int = 0  # the block's MLP width (0: the backbone's)
+    steps: int = 1000
+    batch: int = 8  # rows a step
+    lr: float = 5e-4
+    warmup: int = 50
+    decay: float = 0.8  # loss weight of depth j: decay ** (j - 1)
+    draft_vocab: int = 16384
+    seed: int = 0
+    checkpoint_every: int = 25
+
+
+class MTPTrainer:
+    def __init__(self, model, layer: MTPLayer, rows: Rows, cfg: MTPTrainConfig, vocab_ids):
+        self.model, self.layer, self.rows, self.cfg = model, layer, rows, cfg
+        self.vocab_ids = np.asarray(vocab_ids)
+        self.id_map = id_map_of(self.vocab_ids, model.args.vocab_size)
+        ids = mx.array(self.vocab_ids)
+        self.w = backbone.output_rows(model, ids).astype(mx.float32)
+        model.freeze()
+        warm = optim.linear_schedule(1e-7, cfg.lr, max(1, cfg.warmup))
+        decay = optim.cosine_decay(cfg.lr, max(1, cfg.steps - cfg.warmup), cfg.lr / 10)
+        self.opt = optim.AdamW(optim.join_schedules([warm, decay], [cfg.warmup]), weight_decay=0.01)
+        self.step, self.history = 0, []
+        self._grad = nn.value_and_grad(layer, self._loss)
+
+    def logits(self, g: mx.array) -> mx.array:
+        """Scores over the draft vocabulary for layer outputs ``g`` (..., d)."""
+        return self.model.model.norm(g) @ self.w.T
+
+    def outputs(self, b: dict) -> list[mx.array]:
+        tokens, length = b["tokens"], b["h"].shape[1]
+        embed = lambda j: backbone.embed(self.model, tokens[:, j : j + length])
+        return self.layer.unrolled(b["h"], embed, self.cfg.depths)
+
+    def _loss(self, b: dict):
+        total, hits = mx.array(0.0), []
+        for j, g in enumerate(self.outputs(b), 1):
+            at, y = b[f"at{j}"], b[f"y{j}"]
+            logits = self.logits(g.reshape(-1, g.shape[-1])[at])
+            ce = nn.losses.cross_entropy(logits, y, reduction="sum") / max(1, at.size)
+            total = total + self.cfg.decay ** (j - 1) * ce
+            hits.append((mx.argmax(logits, axis=-1) == y).sum())
+        return total, mx.stack(hits)
+
+    def batch_rows(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.cfg.seed, step])
+        return rng.integers(0, len(self.rows), self.cfg.batch)
+
+    def train_step(self) -> tuple[float, list[float]]:
+        b = batch(self.rows, self.batch_rows(self.step), self.cfg.depths, self.id_map)
+        (loss, hits), grads = self._grad(b)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        self.opt.update(self.layer, grads)
+        mx.eval(self.layer.parameters(), self.opt.state, loss, hits)
+        self.step += 1
+        acc = [h / max(1, b[f"all{j}"]) for j, h in enumerate(hits.tolist(), 1)]
+        self.history.append({"step": self.step, "loss": round(loss.item(), 4), "acc": acc})
+        return loss.item(), acc
+
+    # -- checkpoints ---------------------------------------------------
+    def save(self, folder: Path) -> None:
+        arrays = dict(tree_flatten(self.layer.parameters(), prefix=".layer"))
+        arrays.update(tree_flatten(self.opt.state, prefix=".opt"))
+        arrays["vocab_ids"] = mx.array(self.vocab_ids.astype(np.int32))
+        meta = {"step": self.step, "config": asdict(self.cfg), "history": self.history}
+        save_checkpoint(folder, arrays, meta)
+
+    def restore(self, folder: Path) -> bool:
+        got = load_checkpoint(folder, asdict(self.cfg))
+        if got is None or not np.array_equal(np.array(got[0]["vocab_ids"]), self.vocab_ids):
+            return False  # none, or another configuration or data: start afresh
+        arrays, meta = got
+        self.layer.load_weights(part(arrays, "layer"))
+        self.opt.state = tree_unflatten(part(arrays, "opt"))
+        self.step, self.history = meta["step"], meta["history"]
+        return True
+
+
+def to_bundle(trainer: MTPTrainer, name: str = ""):
+    """The trained layer as a drafter bundle (heads format, design "mtp"):
+    k = the depths trained, its draft vocabulary, CLP as initialised."""
+    from ..model.heads_files import init_heads
+
+    model, layer = trainer.model, trainer.layer
+    bundle = init_heads(model, trainer.cfg.depths, design="mtp", gate=False, head0=False,
+                        name=name, layer=layer.shape())  # fmt: skip
+    bundle.mtp.update(layer.parameters())
+    bundle.set_draft_vocab(trainer.vocab_ids.tolist())
+    bundle.config.tree_branches = 1
+    return bundle
+
+
+def evaluate(trainer: MTPTrainer, rows: Rows, batch_rows: int = 8) -> dict:
+    """On ``rows`` (held out): per depth, agreement with the backbone's greedy
+    token (t+2, t+3, ...), and chain verify's tokens per pass walking every
+    row as decoding does (a pass at anchor s commits the backbone's token and
+    the run of drafts that agree)."""
+    depths, ids = trainer.cfg.depths, trainer.vocab_ids
+    hits, counts, walks = np.zeros(depths), np.zeros(depths), []
+    for start in range(0, len(rows), batch_rows):
+        idx = np.arange(start, min(len(rows), start + batch_rows))
+        hidden, tokens, starts, ends = rows.gather(idx, depths)
+        b = {"h": mx.array(hidden), "tokens": mx.array(np.maximum(tokens, 0))}
+        preds = [ids[np.array(mx.argmax(trainer.logits(g), axis=-1))] for g in trainer.outputs(b)]
+        s = np.arange(rows.length)[None]
+        right = []
+        for j, pred in enumerate(preds, 1):
+            at = s + j + 1
+            ok = (at >= starts[:, None]) & (at < ends[:, None])
+            target = np.take_along_axis(tokens, np.minimum(at, tokens.shape[1] - 1), 1)
+            good = (pred == target) & ok
+            hits[j - 1] += good.sum()
+            counts[j - 1] += ok.sum()
+            right.append(good)
+        runs = np.cumprod(np.stack(right, -1), axis=-1).sum(-1)  # (B, L)
+        for r in range(idx.size):
+            walks.append(runs[r, starts[r] - 1 : ends[r] - 1])
+    agree = (hits / np.maximum(counts, 1)).round(4).tolist()
+    return {
+        "rows": len(rows),
+        "positions": int(counts[0]),
+        "agreement_by_depth": {f"t+{j + 2}": a for j, a in enumerate(agree)},
+        "walked_tokens_per_pass": round(walked_tokens_per_pass(walks), 3),
+    }

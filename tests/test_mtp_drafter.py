@@ -1,0 +1,81 @@
+"""The MTP layer as a drafter: its cache follows the committed tokens (each
+draft is what the layer computes from scratch over the committed sequence),
+it saves and loads as a drafter folder, and verify with it writes greedy
+decoding's tokens."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import decode_pairs, tiny_model
+
+from clp_mlx import api
+from clp_mlx.decode.drafters import PassDrafts, make_drafter
+from clp_mlx.decode.mtp_drafter import MTPDrafter, run_scores
+from clp_mlx.decode.sampling import Sampling
+from clp_mlx.model.heads_files import init_heads, load_heads, save_heads
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model(0)
+    bundle = init_heads(model, 3, design="mtp", gate=False, head0=False, seed=1)
+    mx.random.seed(7)  # a layer that attends: random residual branches
+    o = bundle.mtp.block.self_attn.o_proj
+    o.weight = mx.random.normal(o.weight.shape) * 0.3
+    tokens = mx.random.randint(0, 128, (40,))
+    hidden = model.model(tokens[None])[0]
+    return model, bundle, tokens, hidden
+
+
+def reference(model, bundle, tokens, hidden, p, drafts):
+    """The layer's drafts at anchor ``p`` computed at once over positions 0..p."""
+    seq = mx.concatenate([tokens[: p + 2], mx.array(drafts)])
+    embed = model.model.embed_tokens
+    outs = bundle.mtp.unrolled(hidden[None, : p + 1], lambda j: embed(seq[None, j : j + p + 1]), 3)
+    return [
+        int(mx.argmax(model.model.embed_tokens.as_linear(model.model.norm(g[0, p])))) for g in outs
+    ]
+
+
+def test_the_cache_follows_the_committed_tokens(setup):
+    model, bundle, tokens, hidden = setup
+    drafter = MTPDrafter(model, bundle)
+    drafter.prompt(hidden[:9], tokens[1:10])  # prefill: positions 0..8
+    start, checked = 9, 0
+    for accepted in [0, 2, 1, 3, 0, 0, 2, 1]:  # rows of each pass that verify accepted
+        end = start + accepted  # the last accepted position
+        fed = mx.concatenate([hidden[start : end + 1], mx.ones((2, hidden.shape[1]))])  # + rejected
+        committed = tokens[start + 1 : end + 2].tolist()
+        drafter.observe(committed, PassDrafts(None, None, None, fed=fed))
+        got = drafter.candidates(3, 1)[0]
+        assert got == reference(model, bundle, tokens, hidden, end, got[:2])
+        checked += 1
+        start = end + 1
+    assert checked == 8 and drafter.offset == start
+
+
+def test_an_mtp_drafter_saves_loads_and_verify_stays_greedy(setup, tmp_path):
+    model, bundle, _, _ = setup
+    folder = save_heads(bundle, tmp_path / "mtp")
+    loaded = load_heads(folder, model)
+    assert loaded.config.design == "mtp" and loaded.config.layer == bundle.config.layer
+    np.testing.assert_array_equal(loaded.mtp.fc.weight, bundle.mtp.fc.weight)
+    prompt = [5, 9, 17, 3, 77, 41, 5, 9, 17]
+    plain = list(decode_pairs(prompt, model, loaded, max_tokens=30, mode="ar"))
+    fast = list(decode_pairs(prompt, model, loaded, max_tokens=30, mode="verify"))
+    assert [t for t, _ in fast] == [t for t, _ in plain]
+    sampled = decode_pairs(
+        prompt, model, loaded, max_tokens=30, mode="verify", sampling=Sampling(temp=0.8, seed=3)
+    )
+    assert len(list(sampled)) == 30
+
+
+def test_run_scores_are_log_chances_of_each_run():
+    got = np.exp(run_scores([0.5, 0.5]))
+    np.testing.assert_allclose(got, [0.5, 0.25, 0.25], rtol=1e-6)
+
+
+def test_make_drafter_picks_the_mtp_drafter(setup):
+    model, bundle, _, _ = setup
+    config = api.decode_config(max_tokens=4).resolve(model, bundle)
+    assert isinstance(make_drafter(model, bundle, config, [], 1, start=5), MTPDrafter)

@@ -1,0 +1,87 @@
+"""Training the MTP layer (python -m clp_mlx.cli.train_mtp) on a tiny model's
+self-distilled data: it writes a drafter that verify decodes with, a killed
+run resumes to the same weights, and --eval reports per-depth agreement."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import decode_pairs, tiny_model, write_model_folder
+
+from clp_mlx.api import load_with_drafter
+from clp_mlx.cli.distill import main as distill
+from clp_mlx.cli.train_mtp import main
+from clp_mlx.errors import ClpError
+from clp_mlx.train import mtp_trainer
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_mtp")
+    write_model_folder(root / "tiny", tiny_model(0))
+    rng = np.random.default_rng(0)
+    lines = [" " + " ".join(rng.choice(WORDS, rng.integers(6, 30))) + " ." for _ in range(60)]
+    (root / "wiki.txt").write_text("\n".join(lines) + "\n")
+    argv = ["--model", str(root / "tiny"), "--out", str(root / "data"), "--kind", "wikitext",
+            "--data", str(root / "wiki.txt"), "--prompts", "24", "--prompt-tokens", "6",
+            "--new-tokens", "16", "--batch", "4", "--shard-size", "8", "--heldout", "0.2",
+            "--quiet"]  # fmt: skip
+    assert distill(argv) == 0
+    return root
+
+
+def train_argv(root, out, *extra):
+    return ["--model", str(root / "tiny"), "--data", str(root / "data"), "--out", str(root / out),
+            "--steps", "6", "--batch", "3", "--depths", "2", "--mlp-size", "32",
+            "--draft-vocab", "64", "--warmup", "2", "--checkpoint-every", "2", "--quiet",
+            *extra]  # fmt: skip
+
+
+def weights(folder):
+    return dict(mx.load(str(folder / "drafter" / "heads.safetensors")))
+
+
+def test_training_writes_a_drafter_that_verify_decodes_with(root):
+    assert main(train_argv(root, "one")) == 0
+    model, _, bundle = load_with_drafter(root / "tiny", root / "one" / "drafter")
+    assert bundle.config.design == "mtp" and bundle.k == 2 and bundle.config.draft_vocab == 64
+    prompt = [5, 9, 17, 3, 77, 41]
+    plain = [t for t, _ in decode_pairs(prompt, model, bundle, max_tokens=20, mode="ar")]
+    fast = [t for t, _ in decode_pairs(prompt, model, bundle, max_tokens=20, mode="verify")]
+    assert fast == plain
+
+
+def test_a_killed_run_resumes_to_the_same_weights(root, monkeypatch):
+    assert main(train_argv(root, "whole")) == 0
+    step = mtp_trainer.MTPTrainer.train_step
+
+    def dying(self):
+        if self.step == 3:  # after the checkpoint at step 2, before the one at 4
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(mtp_trainer.MTPTrainer, "train_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        main(train_argv(root, "killed"))
+    monkeypatch.setattr(mtp_trainer.MTPTrainer, "train_step", step)
+    assert main(train_argv(root, "killed")) == 0
+    whole, resumed = weights(root / "whole"), weights(root / "killed")
+    assert whole.keys() == resumed.keys()
+    for name in whole:
+        np.testing.assert_array_equal(whole[name], resumed[name], err_msg=name)
+
+
+def test_eval_reports_agreement_per_depth(root, capsys):
+    assert main(train_argv(root, "one", "--eval")) == 0
+    report = json.loads(capsys.readouterr().out)["data"]
+    assert set(report["agreement_by_depth"]) == {"t+2", "t+3"}
+    assert all(0 <= a <= 1 for a in report["agreement_by_depth"].values())
+    assert report["positions"] > 0 and report["walked_tokens_per_pass"] >= 1
+
+
+def test_bad_data_is_one_error(root, tmp_path):
+    with pytest.raises(ClpError, match="manifest"):
+        main([*train_argv(root, "x")[:2], "--data", str(tmp_path), "--out", str(tmp_path / "o")])
