@@ -4,6 +4,7 @@
     python -m clp_mlx.cli.convert hf Qwen2.5-7B-Instruct -o qwen7b-4bit [-q 4]
     python -m clp_mlx.cli.convert heads-from-torch medusa_lm_head.pt --model qwen05-mlx -o heads
     python -m clp_mlx.cli.convert heads-to-package my-heads qwen2.5-coder-0.5b-instruct
+    python -m clp_mlx.cli.convert heads-from-eagle pytorch_model.bin --model qwen7b -o drafter
 
 ``.bin``/``.pt`` checkpoints are read without torch and without running their
 pickled code. The scripts in ``convert/`` run these subcommands.
@@ -16,6 +17,7 @@ import json
 import sys
 from typing import Callable
 
+from ..errors import ClpError
 from ..model.heads_files import read_config
 from ..sources import gguf, hf
 from ..sources.packaging import package_heads
@@ -54,6 +56,17 @@ def _heads_from_torch(args) -> None:
     print(f"wrote {out}")
 
 
+def _heads_from_eagle(args) -> None:
+    from ..api import load_with_drafter
+    from ..model import heads_checks
+    from ..sources.eagle_heads import convert_eagle
+
+    if not 1 <= args.k <= heads_checks.MAX_K:
+        raise ClpError(f"--k must be in 1..{heads_checks.MAX_K}, got {args.k}")
+    model, _, _ = load_with_drafter(args.model, "none")
+    print(f"wrote {convert_eagle(args.checkpoint, model, args.out, k=args.k, force=args.force)}")
+
+
 def _heads_to_package(args) -> None:
     dest = package_heads(args.heads, args.model)
     config = read_config(dest)
@@ -86,13 +99,24 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "-o", "--out", required=True, help="heads folder to write (must not exist unless --force)"
     )
     p.add_argument(
-        "--force", action="store_true", help="replace the heads folder if it exists and holds only heads"
+        "--force",
+        action="store_true",
+        help="replace the heads folder if it exists and holds only heads",
     )
     p.add_argument(
         "--drop-head-projections",
         action="store_true",
         help="drop per-head output projections even when they differ from the backbone's",
     )
+    about = "Convert an EAGLE-1/2 draft head (one decoder layer) into an MTP-layer drafter."
+    p = _add(commands, "heads-from-eagle", _heads_from_eagle, about)
+    p.add_argument(
+        "checkpoint", help="EAGLE head: pytorch_model.bin/.pt (torch zip) or .safetensors"
+    )
+    p.add_argument("--model", required=True, help="the backbone it was trained for")
+    p.add_argument("-o", "--out", required=True, help="drafter folder to write")
+    p.add_argument("--k", type=int, default=4, help="drafts per step (default: 4)")
+    p.add_argument("--force", action="store_true", help="replace --out if it holds only a drafter")
     about = "Package trained heads so that the matching default model finds them."
     p = _add(commands, "heads-to-package", _heads_to_package, about)
     p.add_argument("heads", help="a trained heads folder (python -m clp_mlx.train --out ...)")

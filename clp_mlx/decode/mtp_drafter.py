@@ -70,7 +70,8 @@ class MTPDrafter:
                 emb = backbone.embed(self.model, prev.astype(mx.uint32))
                 x = self.layer.fuse(g, emb[None].astype(g.dtype))
                 g, past = self.layer.step(x, self.offset + depth - 1, past)
-            scores, ids = self.bundle._draft_scores(self.model, self.model.model.norm(g[0]))
+            out = self.layer.readout(self.model.model.norm, g[0])
+            scores, ids = self.bundle._draft_scores(self.model, out)
             best = mx.argmax(scores, axis=-1)
             probs.append(mx.softmax(scores.astype(mx.float32), axis=-1)[0, best[0]])
             prev = best if ids is None else ids[best]

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 from ..errors import ClpError
 from .checks import real, whole
 from .heads import DESIGNS, FORMAT, HeadsConfig, MTPBundle
-from .mtp_layer import SHAPE
+from .mtp_layer import SHAPE, STYLES
 
 MAX_K = 64  # drafts per step; the paper's heads draft 3 to 5
 MAX_LOOKUP = 32  # longest n-gram context drafts match
@@ -83,6 +83,9 @@ def _layer(value, what: str) -> dict:
         out[key] = whole(v, f"{what}.{key}", 1) if kind is int else real(v, f"{what}.{key}")
         if out[key] <= 0:
             raise ClpError(f"{what}.{key} must be positive, got {v!r}")
+    out["style"] = value.get("style", "mtp")
+    if out["style"] not in STYLES:
+        raise ClpError(f"{what}.style must be one of {', '.join(STYLES)}, got {out['style']!r}")
     if out["num_attention_heads"] % out["num_key_value_heads"]:
         raise ClpError(f"{what}: num_attention_heads must be a multiple of num_key_value_heads")
     return out

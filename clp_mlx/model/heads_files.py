@@ -54,7 +54,8 @@ def init_heads(
         backbone=name,
     )
     if design == "mtp":
-        config.layer = layer or {key: kind(getattr(model.args, key)) for key, kind in SHAPE.items()}
+        shape = {key: kind(getattr(model.args, key)) for key, kind in SHAPE.items()}
+        config.layer = layer or {**shape, "style": "mtp"}
     bundle = MTPBundle(config)
     bundle.set_dtype(_float_dtype(model))
     mx.eval(bundle.parameters())

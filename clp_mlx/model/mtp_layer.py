@@ -32,6 +32,10 @@ SHAPE = {  # the block's config fields a drafter file records, and their types
     "num_attention_heads": int, "num_key_value_heads": int, "intermediate_size": int,
     "rms_norm_eps": float, "rope_theta": float, "max_position_embeddings": int,
 }  # fmt: skip
+# "mtp": ours (above). "eagle": EAGLE-1/2's draft head, imported as trained
+# elsewhere: fc(+bias) over the raw [hidden; embedding] (columns reordered to
+# ours at import), no norm before the attention, logits from the raw output.
+STYLES = ("mtp", "eagle")
 
 
 def block_args(args, mlp_size: int = 0):
@@ -41,12 +45,14 @@ def block_args(args, mlp_size: int = 0):
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, args, mlp_size: int = 0):
+    def __init__(self, args, mlp_size: int = 0, style: str = "mtp"):
         super().__init__()
         d, eps = args.hidden_size, args.rms_norm_eps
-        self.h_norm = nn.RMSNorm(d, eps=eps)
-        self.e_norm = nn.RMSNorm(d, eps=eps)
-        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.style = style
+        if style == "mtp":
+            self.h_norm = nn.RMSNorm(d, eps=eps)
+            self.e_norm = nn.RMSNorm(d, eps=eps)
+        self.fc = nn.Linear(2 * d, d, bias=style == "eagle")
         self.block = qwen2.TransformerBlock(block_args(args, mlp_size))
 
     @classmethod
@@ -56,12 +62,17 @@ class MTPLayer(nn.Module):
             model_type="qwen2", hidden_size=hidden_size, num_hidden_layers=1,
             vocab_size=1, **{k: shape[k] for k in SHAPE},
         )  # fmt: skip
-        return cls(args)
+        return cls(args, style=shape.get("style", "mtp"))
 
     def shape(self) -> dict:
         """What :meth:`of_shape` needs (besides the hidden size) to make this layer again."""
         args = self.block.args
-        return {k: t(getattr(args, k)) for k, t in SHAPE.items()}
+        return {**{k: t(getattr(args, k)) for k, t in SHAPE.items()}, "style": self.style}
+
+    def readout(self, final_norm: nn.Module, g: mx.array) -> mx.array:
+        """What the output projection reads of an output ``g``: the backbone's
+        final norm of it (EAGLE's heads: ``g`` itself)."""
+        return final_norm(g) if self.style == "mtp" else g
 
     def start_as_backbone(self, final_norm: nn.RMSNorm) -> None:
         """Start where the backbone's output is: the block's residual branches
@@ -79,13 +90,15 @@ class MTPLayer(nn.Module):
         self.block.mlp.down_proj.weight = mx.zeros_like(self.block.mlp.down_proj.weight)
 
     def fuse(self, h: mx.array, emb: mx.array) -> mx.array:
+        if self.style == "eagle":
+            return self.fc(mx.concatenate([h, emb], axis=-1))
         return self.fc(mx.concatenate([self.h_norm(h), self.e_norm(emb)], axis=-1))
 
     def qkv(self, x: mx.array, offset: int):
         """Queries (B, H, L, hd), keys and values (B, Hkv, L, hd) of ``x``
         (B, L, d) at positions ``offset ..``."""
         attn, (b, n, _) = self.block.self_attn, x.shape
-        x = self.block.input_layernorm(x)
+        x = self.block.input_layernorm(x) if self.style == "mtp" else x
         q = attn.q_proj(x).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
         k = attn.k_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = attn.v_proj(x).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)

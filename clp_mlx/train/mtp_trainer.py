@@ -57,7 +57,7 @@ class MTPTrainer:
 
     def logits(self, g: mx.array) -> mx.array:
         """Scores over the draft vocabulary for layer outputs ``g`` (..., d)."""
-        return self.model.model.norm(g) @ self.w.T
+        return self.layer.readout(self.model.model.norm, g) @ self.w.T
 
     def outputs(self, b: dict) -> list[mx.array]:
         tokens, length = b["tokens"], b["h"].shape[1]
