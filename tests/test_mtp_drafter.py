@@ -54,6 +54,24 @@ def test_the_cache_follows_the_committed_tokens(setup):
     assert checked == 8 and drafter.offset == start
 
 
+def test_the_cache_follows_unchecked_steps(setup):
+    """clp / fixed: a step's fed tokens were all committed (the backbone's
+    token, then drafts through extend); every fed row enters the cache."""
+    model, bundle, tokens, hidden = setup
+    drafter = MTPDrafter(model, bundle)
+    drafter.prompt(hidden[:9], tokens[1:10])
+    start, rows = 9, 1
+    for n in [0, 2, 1, 3, 0, 2]:  # drafts each step commits unchecked
+        end = start + rows - 1
+        committed = [tokens[end + 1].item()]  # the backbone's token
+        drafter.observe(committed, PassDrafts(None, None, None, fed=hidden[start : end + 1]))
+        got = drafter.candidates(3, 1)[0]
+        assert got == reference(model, bundle, tokens, hidden, end, got[:2])
+        drafter.extend(tokens[end + 2 : end + 2 + n].tolist())
+        start, rows = end + 1, n + 1
+    assert drafter.offset == start
+
+
 def test_an_mtp_drafter_saves_loads_and_verify_stays_greedy(setup, tmp_path):
     model, bundle, _, _ = setup
     folder = save_heads(bundle, tmp_path / "mtp")
@@ -64,6 +82,8 @@ def test_an_mtp_drafter_saves_loads_and_verify_stays_greedy(setup, tmp_path):
     plain = list(decode_pairs(prompt, model, loaded, max_tokens=30, mode="ar"))
     fast = list(decode_pairs(prompt, model, loaded, max_tokens=30, mode="verify"))
     assert [t for t, _ in fast] == [t for t, _ in plain]
+    for mode in ("clp", "fixed"):
+        assert len(list(decode_pairs(prompt, model, loaded, max_tokens=30, mode=mode))) == 30
     sampled = decode_pairs(
         prompt, model, loaded, max_tokens=30, mode="verify", sampling=Sampling(temp=0.8, seed=3)
     )

@@ -60,15 +60,21 @@ class DecodeConfig:
         if self.draft_len is not None:
             whole(self.draft_len, "draft_len (--draft-len)", 1)
         if self.feed not in FEEDS:
-            raise ClpError(f"feed must be one of {', '.join(FEEDS)}, got {self.feed!r} (--verify-feed)")
+            raise ClpError(
+                f"feed must be one of {', '.join(FEEDS)}, got {self.feed!r} (--verify-feed)"
+            )
         if self.context_drafts is not None and not isinstance(self.context_drafts, bool):
-            raise ClpError(f"context_drafts must be None, True or False, got {self.context_drafts!r}")
+            raise ClpError(
+                f"context_drafts must be None, True or False, got {self.context_drafts!r}"
+            )
         if self.clp_threshold is not None:
             q = real(self.clp_threshold, "clp_threshold (--clp-threshold)")
             if not 0 < q <= 1:
                 raise ClpError(f"clp_threshold must be in (0, 1], got {q} (--clp-threshold)")
         if self.tree is not None and not (is_whole(self.tree) and self.tree >= 0):
-            raise ClpError(f"tree must be 0 (a chain) or a number of tokens, got {self.tree!r} (--tree)")
+            raise ClpError(
+                f"tree must be 0 (a chain) or a number of tokens, got {self.tree!r} (--tree)"
+            )
         if not 0 <= real(self.gate_threshold, "gate_threshold") <= 1:
             raise ClpError(f"gate_threshold must be in [0, 1], got {self.gate_threshold}")
         if not isinstance(self.sampling, Sampling):
@@ -82,7 +88,9 @@ class DecodeConfig:
         """A copy with every default filled for ``model`` and its ``heads``
         (None for none), or ClpError saying what does not fit."""
         if heads is not None and not isinstance(heads, MTPBundle):
-            raise ClpError(f"heads must be what clp_mlx.load gives (or None), not {type(heads).__name__}")
+            raise ClpError(
+                f"heads must be what clp_mlx.load gives (or None), not {type(heads).__name__}"
+            )
         mode = self.mode or "verify"
         if mode == "ar" and self.draft_len is not None:
             raise ClpError(
@@ -103,7 +111,9 @@ class DecodeConfig:
             raise ClpError(f"these heads have no {part} for mode {mode!r}")
         n = heads.k if self.draft_len is None else self.draft_len
         if not 1 <= n <= heads.k:
-            raise ClpError(f"draft_len must be in 1..{heads.k} for these heads, got {n} (--draft-len)")
+            raise ClpError(
+                f"draft_len must be in 1..{heads.k} for these heads, got {n} (--draft-len)"
+            )
         wanted = self.context_drafts if self.context_drafts is not None else mode == "verify"
         fits = bool(heads.config.lookup) and (mode == "verify" or (mode == "clp" and self.greedy))
         return replace(self, mode=mode, draft_len=n, context_drafts=fits and wanted, tree=tree)

@@ -27,7 +27,6 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from ..errors import ClpError
 from .lookup import ContextDrafter, CopyOdds
 
 
@@ -248,8 +247,6 @@ def make_drafter(
     if heads.config.design == "mtp":
         from .mtp_drafter import MTPDrafter
 
-        if config.mode != "verify":
-            raise ClpError(f"an MTP-layer drafter decodes in verify mode only, not {config.mode}")
         return MTPDrafter(model, heads, start)
     if config.context_drafts:
         return CopyThenHeads(HeadsDrafter(model, heads, width, in_pass=False), tokens)

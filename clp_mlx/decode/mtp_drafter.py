@@ -32,6 +32,9 @@ class MTPDrafter:
         self.k = bundle.k
         self.past = None  # (keys, values) of the committed positions
         self.offset = start  # the backbone position the next committed entry takes
+        # Committed tokens whose positions are not in the cache yet (the
+        # first one's identity is never needed: only the tokens after it).
+        self.unplaced: list = [None]
         self._drafts: list[int] = []
 
     def prompt(self, hidden: mx.array, tokens: mx.array) -> None:
@@ -39,6 +42,7 @@ class MTPDrafter:
         the token after each."""
         self._append(hidden, tokens)
         mx.eval(*self.past)
+        self.unplaced = [None]  # the last prompt token: the first pass feeds it
 
     def _append(self, hidden: mx.array, tokens: mx.array) -> mx.array:
         emb = backbone.embed(self.model, tokens.astype(mx.uint32))
@@ -51,11 +55,14 @@ class MTPDrafter:
         return PassDrafts(None, None, None, fed=hidden)
 
     def extend(self, tokens) -> None:
-        pass  # positions come with their hidden states, through observe
+        self.unplaced += list(tokens)  # committed without a check (the unchecked modes)
 
     def observe(self, committed, got: PassDrafts) -> list[float]:
-        n = len(committed)
-        g = self._append(got.fed[:n], mx.array(committed))
+        """The pass fed the unplaced tokens first (then drafts it may have
+        refused): their rows enter the cache, each with the token after it."""
+        seq = self.unplaced + list(committed)
+        self.unplaced = seq[-1:]
+        g = self._append(got.fed[: len(seq) - 1], mx.array(seq[1:]))
         tokens, probs = self._draft(g, committed[-1])
         mx.eval(tokens, probs, *self.past)
         self._drafts = tokens.tolist()

@@ -98,7 +98,9 @@ class _DepthRoPE(nn.Module):
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         # (1, heads, n, dims) -> (n, heads, 1, dims) and back
-        return self.inner(x.transpose(2, 1, 0, 3), offset=offset + self.depths).transpose(2, 1, 0, 3)
+        return self.inner(x.transpose(2, 1, 0, 3), offset=offset + self.depths).transpose(
+            2, 1, 0, 3
+        )
 
 
 @contextmanager

@@ -26,10 +26,11 @@ from .steps import Step
 def unchecked_step(model, heads, drafter, tokens, cache, config, sampler):
     """One pass: (the backbone's token b (1,), in-pass drafts (k,) or None,
     the commit count n from the graph, the drafter's part of the pass)."""
-    h = hidden_states(model, tokens, cache)[-1:]  # only the last position drafts
+    fed = hidden_states(model, tokens, cache)
+    h = fed[-1:]  # only the last position drafts
     first = heads.head0(h) if config.mode == "prior-mtp" else h
     b = sampler(project(model, first))
-    got = PassDrafts(h, heads.clp_logits(h[0]), None)  # CLP's scores at h
+    got = PassDrafts(h, heads.clp_logits(h[0]), None, fed=fed)  # CLP's scores at h
     d = drafter.draft(h, b, None if sampler.greedy else sampler)[0][0] if drafter.in_pass else None
     if config.mode == "fixed":
         n = mx.array([config.draft_len])
