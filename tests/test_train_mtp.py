@@ -79,6 +79,8 @@ def test_eval_reports_agreement_per_depth(root, capsys):
     report = json.loads(capsys.readouterr().out)["data"]
     assert set(report["agreement_by_depth"]) == {"t+2", "t+3"}
     assert all(0 <= a <= 1 for a in report["agreement_by_depth"].values())
+    accepted = list(report["accepted_by_depth"].values())
+    assert accepted == sorted(accepted, reverse=True)  # a run reaches t+3 only through t+2
     assert report["positions"] > 0 and report["walked_tokens_per_pass"] >= 1
 
 

@@ -128,7 +128,7 @@ def evaluate(trainer: MTPTrainer, rows: Rows, batch_rows: int = 8) -> dict:
     row as decoding does (a pass at anchor s commits the backbone's token and
     the run of drafts that agree)."""
     depths, ids = trainer.cfg.depths, trainer.vocab_ids
-    hits, counts, walks = np.zeros(depths), np.zeros(depths), []
+    hits, counts, walks, runs_from = np.zeros(depths), np.zeros(depths), [], []
     for start in range(0, len(rows), batch_rows):
         idx = np.arange(start, min(len(rows), start + batch_rows))
         hidden, tokens, starts, ends = rows.gather(idx, depths)
@@ -147,10 +147,16 @@ def evaluate(trainer: MTPTrainer, rows: Rows, batch_rows: int = 8) -> dict:
         runs = np.cumprod(np.stack(right, -1), axis=-1).sum(-1)  # (B, L)
         for r in range(idx.size):
             walks.append(runs[r, starts[r] - 1 : ends[r] - 1])
+            runs_from.append(runs[r, starts[r] - 1 : ends[r] - 1 - depths])  # every depth inside
     agree = (hits / np.maximum(counts, 1)).round(4).tolist()
+    run = np.concatenate(runs_from)
+    at_least = [round(float((run > j).mean()), 4) for j in range(depths)]
     return {
         "rows": len(rows),
         "positions": int(counts[0]),
+        # the drafter's token at t+j when it reads the backbone's tokens before it
         "agreement_by_depth": {f"t+{j + 2}": a for j, a in enumerate(agree)},
+        # how often chain verify accepts the draft at t+j (its own drafts before it)
+        "accepted_by_depth": {f"t+{j + 2}": a for j, a in enumerate(at_least)},
         "walked_tokens_per_pass": round(walked_tokens_per_pass(walks), 3),
     }
