@@ -7,30 +7,18 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import decode_pairs, tiny_model, write_model_folder
+from conftest import decode_pairs
+from mtp_helpers import distilled
 
 from clp_mlx.api import load_with_drafter
-from clp_mlx.cli.distill import main as distill
 from clp_mlx.cli.train_mtp import main
 from clp_mlx.errors import ClpError
 from clp_mlx.train import mtp_trainer
 
-WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
-
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_mtp")
-    write_model_folder(root / "tiny", tiny_model(0))
-    rng = np.random.default_rng(0)
-    lines = [" " + " ".join(rng.choice(WORDS, rng.integers(6, 30))) + " ." for _ in range(60)]
-    (root / "wiki.txt").write_text("\n".join(lines) + "\n")
-    argv = ["--model", str(root / "tiny"), "--out", str(root / "data"), "--kind", "wikitext",
-            "--data", str(root / "wiki.txt"), "--prompts", "24", "--prompt-tokens", "6",
-            "--new-tokens", "16", "--batch", "4", "--shard-size", "8", "--heldout", "0.2",
-            "--quiet"]  # fmt: skip
-    assert distill(argv) == 0
-    return root
+    return distilled(tmp_path_factory.mktemp("train_mtp"))
 
 
 def train_argv(root, out, *extra):
@@ -74,14 +62,15 @@ def test_a_killed_run_resumes_to_the_same_weights(root, monkeypatch):
         np.testing.assert_array_equal(whole[name], resumed[name], err_msg=name)
 
 
-def test_eval_reports_agreement_per_depth(root, capsys):
+def test_eval_reports_acceptance_per_depth(root, capsys):
     assert main(train_argv(root, "one", "--eval")) == 0
     report = json.loads(capsys.readouterr().out)["data"]
-    assert set(report["agreement_by_depth"]) == {"t+2", "t+3"}
-    assert all(0 <= a <= 1 for a in report["agreement_by_depth"].values())
+    assert set(report["accepted_by_depth"]) == {"t+2", "t+3"}
     accepted = list(report["accepted_by_depth"].values())
+    assert all(0 <= a <= 1 for a in accepted)
     assert accepted == sorted(accepted, reverse=True)  # a run reaches t+3 only through t+2
     assert report["positions"] > 0 and report["walked_tokens_per_pass"] >= 1
+    assert report["walked_with_copies"] >= 1
 
 
 def test_bad_data_is_one_error(root, tmp_path):

@@ -2,6 +2,7 @@
 
     python -m clp_mlx.train --data wiki.train.raw --out heads-05b          # train
     python -m clp_mlx.train --eval --heads heads-05b --data wiki.valid.raw  # evaluate
+    python -m clp_mlx.train --eval --heads heads-05b --data DISTILLED       # its held-out rows
 
 Phases: (1) backbone features, cached and resumable; (2) heads (and head 0),
 checkpointed every N steps and resumable; (3) CLP and the gate on the frozen
@@ -36,7 +37,8 @@ TRAIN_FLAGS = ("k", "design", "steps", "batch", "lr", "draft_vocab", "seed", "ch
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = parser("python -m clp_mlx.train", __doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="as for generate (default: the 0.5B)")
-    p.add_argument("--data", nargs="+", required=True, help="text files (WikiText raw, code, ...)")
+    p.add_argument("--data", nargs="+", required=True, help="text files (WikiText raw, code, ...); for --eval also "
+                   "self-distilled data folders (scored on their held-out rows)")
     p.add_argument("--out", help="heads folder to write (training)")
     p.add_argument("--heads", help="heads folder to evaluate (--eval)")
     p.add_argument("--eval", action="store_true", help="evaluate --heads on --data")
@@ -161,9 +163,30 @@ def _evaluate(args, source: FeatureSource) -> int:
         raise ClpError("--eval needs --heads FOLDER")
     model, tokenizer, _ = load(args.model, None)
     bundle = load_heads(args.heads, model)
+    distilled = [(Path(d) / "manifest.json").is_file() for d in args.data]
+    if all(distilled):
+        return _evaluate_rows(args, model, bundle)
+    if any(distilled):
+        raise ClpError("--eval: give text files or self-distilled data folders, not both")
     work = Path(args.work_dir or f"{args.heads}.eval-work")
     data = features_for(model, tokenizer, args.data, work, bundle.k, source, seed=args.seed)
     print(json.dumps(evaluate(model, bundle, data, args.seed), indent=1))
+    return 0
+
+
+def _evaluate_rows(args, model, bundle) -> int:
+    """Self-distilled data folders: the drafter on their held-out rows."""
+    from ..train.mtp_data import Rows
+    from ..train.rows_eval import evaluate_rows
+
+    report = {}
+    for d in args.data:
+        try:
+            rows = Rows.of([Path(d)], heldout=True)
+        except ValueError:
+            raise ClpError(f"{d} holds no whole held-out shard yet") from None
+        report[Path(d).name] = evaluate_rows(model, bundle, rows, args.lookup)
+    print(json.dumps(report, indent=1))
     return 0
 
 

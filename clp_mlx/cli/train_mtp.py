@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import ClpError
+from ..model.heads_checks import MAX_LOOKUP
 from ..train.mtp_trainer import MTPTrainConfig
 from .args import parser, run
 
@@ -35,6 +36,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)),
                        default=getattr(defaults, name))  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
+    p.add_argument("--lookup", type=int, default=3,
+                   help="--eval: also walk with context copies of the last 1..N tokens (0: not)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -48,6 +51,8 @@ def main(argv=None) -> int:
             raise ClpError(f"--{name.replace('_', '-')} must be 1 or more")
     if not 0 < cfg.lr < 1 or not 0 < cfg.decay <= 1 or cfg.mlp_size < 0 or cfg.warmup < 0:
         raise ClpError("--lr must be in (0, 1), --decay in (0, 1], --mlp-size and --warmup >= 0")
+    if not 0 <= args.lookup <= MAX_LOOKUP:
+        raise ClpError(f"--lookup must be 0 to {MAX_LOOKUP}")
     missing = [d for d in args.data if not (Path(d) / "manifest.json").is_file()]
     if missing:
         raise ClpError(f"not a self-distilled data folder (no manifest.json): {missing[0]}")
@@ -55,13 +60,15 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if args.eval:
         from ..train.mtp_data import Rows
-        from ..train.mtp_trainer import evaluate
+        from ..train.mtp_trainer import to_bundle
+        from ..train.rows_eval import evaluate_rows
 
         if not trainer.restore(out):
             raise ClpError(f"no checkpoint of these flags in {out}")
-        report = {"step": trainer.step, "config": asdict(cfg)}
+        report, bundle = {"step": trainer.step, "config": asdict(cfg)}, to_bundle(trainer)
         for d in args.data:
-            report[Path(d).name] = evaluate(trainer, Rows.of([Path(d)], heldout=True))
+            rows = Rows.of([Path(d)], heldout=True)
+            report[Path(d).name] = evaluate_rows(trainer.model, bundle, rows, args.lookup)
         print(json.dumps(report, indent=1))
         return 0
     _train(trainer, out, args.quiet)

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..model import backbone
 from ..model.mtp_layer import MTPLayer
 from .mtp_data import Rows, batch, id_map_of
-from .trainer import load_checkpoint, part, save_checkpoint, walked_tokens_per_pass
+from .trainer import load_checkpoint, part, save_checkpoint
 
 
 @dataclass
@@ -120,43 +120,3 @@ def to_bundle(trainer: MTPTrainer, name: str = ""):
     bundle.set_draft_vocab(trainer.vocab_ids.tolist())
     bundle.config.tree_branches = 1
     return bundle
-
-
-def evaluate(trainer: MTPTrainer, rows: Rows, batch_rows: int = 8) -> dict:
-    """On ``rows`` (held out): per depth, agreement with the backbone's greedy
-    token (t+2, t+3, ...), and chain verify's tokens per pass walking every
-    row as decoding does (a pass at anchor s commits the backbone's token and
-    the run of drafts that agree)."""
-    depths, ids = trainer.cfg.depths, trainer.vocab_ids
-    hits, counts, walks, runs_from = np.zeros(depths), np.zeros(depths), [], []
-    for start in range(0, len(rows), batch_rows):
-        idx = np.arange(start, min(len(rows), start + batch_rows))
-        hidden, tokens, starts, ends = rows.gather(idx, depths)
-        b = {"h": mx.array(hidden), "tokens": mx.array(np.maximum(tokens, 0))}
-        preds = [ids[np.array(mx.argmax(trainer.logits(g), axis=-1))] for g in trainer.outputs(b)]
-        s = np.arange(rows.length)[None]
-        right = []
-        for j, pred in enumerate(preds, 1):
-            at = s + j + 1
-            ok = (at >= starts[:, None]) & (at < ends[:, None])
-            target = np.take_along_axis(tokens, np.minimum(at, tokens.shape[1] - 1), 1)
-            good = (pred == target) & ok
-            hits[j - 1] += good.sum()
-            counts[j - 1] += ok.sum()
-            right.append(good)
-        runs = np.cumprod(np.stack(right, -1), axis=-1).sum(-1)  # (B, L)
-        for r in range(idx.size):
-            walks.append(runs[r, starts[r] - 1 : ends[r] - 1])
-            runs_from.append(runs[r, starts[r] - 1 : ends[r] - 1 - depths])  # every depth inside
-    agree = (hits / np.maximum(counts, 1)).round(4).tolist()
-    run = np.concatenate(runs_from)
-    at_least = [round(float((run > j).mean()), 4) for j in range(depths)]
-    return {
-        "rows": len(rows),
-        "positions": int(counts[0]),
-        # the drafter's token at t+j when it reads the backbone's tokens before it
-        "agreement_by_depth": {f"t+{j + 2}": a for j, a in enumerate(agree)},
-        # how often chain verify accepts the draft at t+j (its own drafts before it)
-        "accepted_by_depth": {f"t+{j + 2}": a for j, a in enumerate(at_least)},
-        "walked_tokens_per_pass": round(walked_tokens_per_pass(walks), 3),
-    }

@@ -1,0 +1,104 @@
+"""Any drafter on the held-out rows of self-distilled data (docs/DATA.md):
+``python -m clp_mlx.train --eval --heads FOLDER --data DISTILL_FOLDER``.
+
+At every anchor ``s`` of a row's continuation the drafter drafts
+``x_{s+2} .. x_{s+1+k}`` from the backbone's hidden state there and its
+token ``x_{s+1}``. A chain's later drafts read its earlier ones; the MTP
+layer's read the greedy tokens instead (one unrolled pass), which is the same
+wherever the drafts before them are right. So ``accepted_by_depth`` (every
+draft up to t+j right: how often chain verify accepts the draft at t+j) and
+``conditional_by_depth`` (the draft at t+j right when the ones before it are)
+mean the same for every design.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..decode.lookup import row_drafts
+from ..model import backbone
+from .mtp_data import Rows
+from .trainer import walked_tokens_per_pass
+
+
+def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array) -> np.ndarray:
+    """Drafts (B, L, k) at every anchor of ``hidden`` (B, L, d); ``tokens``
+    (B, >= L + k + 1) are the rows' tokens."""
+    k, (rows, length, width) = bundle.k, hidden.shape
+    if bundle.config.design == "mtp":
+        layer = bundle.mtp
+        outs = layer.unrolled(hidden, lambda j: backbone.embed(model, tokens[:, j : j + length]), k)
+        ids = [bundle.draft_ids(model, layer.readout(model.model.norm, g)) for g in outs]
+        return np.array(mx.stack(ids, axis=-1))
+    after = tokens[:, 1 : length + 1].reshape(-1).astype(mx.uint32)
+    drafts, _ = bundle.draft(model, hidden.reshape(-1, width), after)
+    return np.array(drafts).reshape(rows, length, k)
+
+
+def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 8) -> dict:
+    """The report on ``rows``: per depth, how often the draft is right alone
+    and with the ones before it, and chain verify's tokens per pass walking
+    every row as decoding does (with ``lookup``: also with context copies
+    where the context has a match, as ``CopyThenHeads`` drafts)."""
+    k = bundle.k
+    hits = positions = 0
+    runs_in = []
+    walks = {"drafter": [], "with_copies": []}
+    for start in range(0, len(rows), batch_rows):
+        idx = np.arange(start, min(len(rows), start + batch_rows))
+        hidden, tokens, starts, ends = rows.gather(idx, k)
+        drafts = chain_drafts(model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
+        at = np.arange(rows.length)[None, :, None] + np.arange(2, k + 2)[None, None]
+        target = tokens[:, np.minimum(at[0], tokens.shape[1] - 1)]  # (B, L, k)
+        inside = (at < ends[:, None, None]) & (at >= starts[:, None, None])
+        right = (drafts == target) & inside
+        runs = np.cumprod(right, axis=-1).sum(-1)  # (B, L)
+        if lookup:
+            copied, match = row_drafts(tokens, _anchors(tokens, starts, ends), k, lookup)
+        for r in range(len(idx)):
+            span = slice(starts[r] - 1, ends[r] - 1)  # anchors whose t+2 is a greedy token
+            hits += int(right[r, span, 0].sum())
+            positions += int(inside[r, span, 0].sum())
+            runs_in.append(runs[r, starts[r] - 1 : ends[r] - 1 - k])  # every depth inside
+            walks["drafter"].append(runs[r, span])
+        if lookup:
+            walks["with_copies"] += _with_copies(
+                drafts, copied, match, target, inside, starts, ends
+            )
+    run = np.concatenate(runs_in)
+    accepted = [float((run > j).mean()) for j in range(k)]
+    out = {
+        "rows": len(rows),
+        "positions": positions,
+        "agreement_t+2": round(hits / max(1, positions), 4),
+        "accepted_by_depth": {f"t+{j + 2}": round(a, 4) for j, a in enumerate(accepted)},
+        "conditional_by_depth": {
+            f"t+{j + 2}": round(a / max(b, 1e-9), 4)
+            for j, (a, b) in enumerate(zip(accepted, [1.0, *accepted]))
+        },
+        "walked_tokens_per_pass": round(walked_tokens_per_pass(walks["drafter"]), 3),
+    }
+    if lookup:
+        out["walked_with_copies"] = round(walked_tokens_per_pass(walks["with_copies"]), 3)
+    return out
+
+
+def _anchors(tokens: np.ndarray, starts, ends) -> np.ndarray:
+    """Flat indices into ``tokens`` of every row's anchors, row by row."""
+    width = tokens.shape[1]
+    return np.concatenate(
+        [r * width + np.arange(s - 1, e - 1) for r, (s, e) in enumerate(zip(starts, ends))]
+    )
+
+
+def _with_copies(drafts, copied, match, target, inside, starts, ends) -> list[np.ndarray]:
+    """Per row, the accepted runs when a context match's copy replaces the drafts."""
+    out, n = [], 0
+    for r, (s, e) in enumerate(zip(starts, ends)):
+        span = slice(s - 1, e - 1)
+        size = e - s
+        use = np.where(match[n : n + size, None] > 0, copied[n : n + size], drafts[r, span])
+        n += size
+        out.append(np.cumprod((use == target[r, span]) & inside[r, span], axis=-1).sum(-1))
+    return out

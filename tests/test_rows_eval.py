@@ -1,0 +1,119 @@
+"""Scoring a drafter on self-distilled rows (clp_mlx.train.rows_eval): the
+drafts it scores are the drafter's own, one anchor at a time, and the
+bookkeeping (acceptance per depth, tokens per pass, context copies) is exact
+on rows whose answers are known."""
+
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+from mtp_helpers import distilled
+
+from clp_mlx.api import load_with_drafter
+from clp_mlx.cli.train import main as train
+from clp_mlx.errors import ClpError
+from clp_mlx.model.heads_files import init_heads, save_heads
+from clp_mlx.train import rows_eval
+from clp_mlx.train.mtp_data import Rows
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = distilled(tmp_path_factory.mktemp("rows_eval"))
+    model, _, _ = load_with_drafter(root / "tiny", "none")
+    bundle = init_heads(model, 2, design="chain", seed=3, gate=False)
+    mx.random.seed(3)  # away from the identity start, so drafts depend on every input
+    for head in bundle.heads:
+        head.update(tree_map(lambda p: 0.3 * mx.random.normal(p.shape), head.parameters()))
+    save_heads(bundle, root / "chain")
+    return root
+
+
+class Known:
+    """Rows with given tokens (prompt of 4, then the continuation)."""
+
+    def __init__(self, continuations, width=8):
+        self.rows = [[1, 2, 3, 4, *c] for c in continuations]
+        self.length, self.width = max(map(len, self.rows)), width
+
+    def __len__(self):
+        return len(self.rows)
+
+    def gather(self, idx, depths):
+        tokens = np.full((idx.size, self.length + depths + 1), -1)
+        for b, i in enumerate(idx):
+            tokens[b, : len(self.rows[i])] = self.rows[i]
+        ends = np.array([len(self.rows[i]) for i in idx])
+        hidden = np.zeros((idx.size, self.length, self.width), dtype=np.float32)
+        return hidden, tokens, np.full(idx.size, 4), ends
+
+
+class Stub:
+    k, config = 3, type("C", (), {"design": "stub"})
+
+
+def oracle(model, bundle, hidden, tokens):
+    """The right draft at every depth of every anchor."""
+    tokens, length = np.array(tokens), hidden.shape[1]
+    return np.stack([tokens[:, j : j + length] for j in range(2, bundle.k + 2)], axis=-1)
+
+
+def test_drafts_are_the_heads_own_one_anchor_at_a_time(root):
+    model, _, bundle = load_with_drafter(root / "tiny", root / "chain")
+    rows = Rows.of([root / "data"], heldout=True)
+    hidden, tokens, _, _ = rows.gather(np.arange(2), bundle.k)
+    got = rows_eval.chain_drafts(model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
+    for r in range(2):
+        for s in range(rows.length):
+            one, _ = bundle.draft(
+                model, mx.array(hidden[r, s][None]), mx.array([max(0, int(tokens[r, s + 1]))])
+            )
+            assert got[r, s].tolist() == np.array(one)[0].tolist(), (r, s)
+
+
+def test_right_drafts_walk_k_plus_one_tokens_a_pass(monkeypatch):
+    monkeypatch.setattr(rows_eval, "chain_drafts", oracle)
+    rows = Known([[10 + i for i in range(n)] for n in (9, 13)])
+    report = rows_eval.evaluate_rows(None, Stub, rows)
+    assert report["agreement_t+2"] == 1.0
+    assert list(report["accepted_by_depth"].values()) == [1.0, 1.0, 1.0]
+    passes = math.ceil(9 / 4) + math.ceil(13 / 4)  # a pass commits the token and 3 drafts
+    assert report["walked_tokens_per_pass"] == round(22 / passes, 3)
+    assert report["positions"] == 8 + 12  # anchors whose t+2 is in the row
+
+
+def test_wrong_drafts_walk_one_token_and_copies_help(monkeypatch):
+    monkeypatch.setattr(
+        rows_eval, "chain_drafts", lambda m, b, h, t: np.full((*h.shape[:2], 3), 99)
+    )
+    rows = Known([[10, 11, 12] * 6])  # after one period the context predicts the rest
+    report = rows_eval.evaluate_rows(None, Stub, rows, lookup=2)
+    assert report["agreement_t+2"] == 0.0 and report["walked_tokens_per_pass"] == 1.0
+    assert list(report["conditional_by_depth"].values()) == [0.0, 0.0, 0.0]
+    assert report["walked_with_copies"] > 2.5
+
+
+def test_second_depth_right_only_after_the_first(monkeypatch):
+    def half(model, bundle, hidden, tokens):
+        drafts = oracle(model, bundle, hidden, tokens)
+        drafts[:, ::2, 0] = 99  # every other anchor's t+2 is wrong
+        return drafts
+
+    monkeypatch.setattr(rows_eval, "chain_drafts", half)
+    report = rows_eval.evaluate_rows(None, Stub, Known([list(range(10, 40))]))
+    accepted = report["accepted_by_depth"]
+    assert 0.4 < accepted["t+2"] < 0.6 and accepted["t+3"] == accepted["t+2"]
+    assert report["conditional_by_depth"]["t+3"] == 1.0
+
+
+def test_train_eval_scores_heads_on_held_out_rows(root, capsys):
+    argv = ["--eval", "--model", str(root / "tiny"), "--heads", str(root / "chain")]
+    assert train([*argv, "--data", str(root / "data")]) == 0
+    report = json.loads(capsys.readouterr().out)["data"]
+    assert set(report["accepted_by_depth"]) == {"t+2", "t+3"}
+    assert report["positions"] > 0 and report["walked_with_copies"] >= 1
+    with pytest.raises(ClpError, match="not both"):
+        train([*argv, "--data", str(root / "data"), str(root / "wiki.txt")])
