@@ -40,6 +40,9 @@ def test_training_writes_a_drafter_that_verify_decodes_with(root):
     plain = [t for t, _ in decode_pairs(prompt, model, bundle, max_tokens=20, mode="ar")]
     fast = [t for t, _ in decode_pairs(prompt, model, bundle, max_tokens=20, mode="verify")]
     assert fast == plain
+    curve = json.loads((root / "one" / "drafter" / "heads.json").read_text())["extra"]["curve"]
+    assert [c["step"] for c in curve] == [2, 4, 6]  # every checkpoint checks held-out rows
+    assert all(0 <= a <= 1 for c in curve for a in c["held"] + c["acc"])
 
 
 def test_a_killed_run_resumes_to_the_same_weights(root, monkeypatch):

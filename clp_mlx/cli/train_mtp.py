@@ -36,8 +36,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)),
                        default=getattr(defaults, name))  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
-    p.add_argument("--lookup", type=int, default=3,
-                   help="--eval: also walk with context copies of the last 1..N tokens (0: not)")
+    p.add_argument(
+        "--lookup",
+        type=int,
+        default=3,
+        help="--eval: also walk with context copies of the last 1..N tokens (0: not)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -71,12 +75,19 @@ def main(argv=None) -> int:
             report[Path(d).name] = evaluate_rows(trainer.model, bundle, rows, args.lookup)
         print(json.dumps(report, indent=1))
         return 0
-    _train(trainer, out, args.quiet)
+    _train(trainer, out, _held_rows(args.data), args.quiet)
     from ..model.heads_files import save_heads
+    from ..train.fit import plot_history
     from ..train.mtp_trainer import to_bundle
 
     bundle = to_bundle(trainer, args.model or "")
-    save_heads(bundle, out / "drafter", force=True, extra={"training": asdict(cfg)})
+    report = {
+        "training": asdict(cfg),
+        "data": [str(d) for d in args.data],
+        "curve": trainer.curve(),
+    }
+    save_heads(bundle, out / "drafter", force=True, extra=report)
+    plot_history(report["curve"], out / "drafter" / "training.png", part="depth")
     print(f"drafter written to {out / 'drafter'}", file=sys.stderr)
     return 0
 
@@ -106,19 +117,42 @@ def _trainer(args, cfg: MTPTrainConfig):
     return MTPTrainer(model, layer, rows, cfg, ids)
 
 
-def _train(trainer, out: Path, quiet: bool) -> None:
+HELD_ROWS = 32  # held-out rows checked at every checkpoint
+
+
+def _held_rows(data: list[str]) -> list:
+    """The data folders' held-out rows (none yet: [])."""
+    from ..train.mtp_data import Rows
+
+    try:
+        return Rows.of([Path(d) for d in data], heldout=True)
+    except ValueError:
+        return []
+
+
+def _train(trainer, out: Path, held, quiet: bool) -> None:
+    import numpy as np
     from tqdm import tqdm
+
+    from ..train.fit import plot_history
+    from ..train.mtp_data import batch
 
     cfg = trainer.cfg
     if trainer.restore(out):
         print(f"resuming at step {trainer.step}", file=sys.stderr)
+    check = None
+    if len(held):
+        check = batch(held, np.arange(min(HELD_ROWS, len(held))), cfg.depths, trainer.id_map)
     bar = tqdm(total=cfg.steps, initial=trainer.step, disable=quiet, desc="MTP layer")
     while trainer.step < cfg.steps:
         loss, acc = trainer.train_step()
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", acc="/".join(f"{a:.2f}" for a in acc))
         if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
+            if check is not None:
+                trainer.history[-1]["held"] = trainer.held_accuracy(check)
             trainer.save(out)
+            plot_history(trainer.curve(), out / "curves.png", part="depth")
     bar.close()
 
 

@@ -218,7 +218,7 @@ def _fit_gate(bundle, h, agree, seed: int, steps: int) -> float:
     return fit_small(bundle, gate_loss, targets, steps, seed=seed)
 
 
-def plot_history(history: list, path: Path) -> None:
+def plot_history(history: list, path: Path, part: str = "head") -> None:
     """The accuracy curves of the training report, if matplotlib is installed."""
     try:
         import matplotlib
@@ -230,12 +230,13 @@ def plot_history(history: list, path: Path) -> None:
     steps = [h["step"] for h in history]
     fig, ax = plt.subplots(figsize=(6, 4))
     for i in range(len(history[0]["acc"]) if history else 0):
-        line = ax.plot(steps, [h["acc"][i] for h in history], label=f"head {i + 1} (t+{i + 2})")
+        line = ax.plot(steps, [h["acc"][i] for h in history], label=f"{part} {i + 1} (t+{i + 2})")
         if "held" in history[0]:
             held = [h["held"][i] for h in history]
-            ax.plot(steps, held, "--", color=line[0].get_color(), label=f"head {i + 1}, held out")
+            ax.plot(steps, held, "--", color=line[0].get_color(), label=f"{part} {i + 1}, held out")
     ax.set_xlabel("step")
-    ax.set_ylabel("top-1 vs backbone greedy (solid: batch, teacher-forced)")
+    ax.set_ylabel("top-1 vs backbone greedy")
+    ax.set_title("solid: training batches, dashed: held out (teacher-forced)", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -89,6 +89,24 @@ class MTPTrainer:
         self.history.append({"step": self.step, "loss": round(loss.item(), 4), "acc": acc})
         return loss.item(), acc
 
+    def held_accuracy(self, b: dict) -> list[float]:
+        """Per depth, top-1 agreement on the batch ``b`` (held-out rows), as
+        the training accuracy is measured (teacher-forced tokens)."""
+        _, hits = self._loss(b)
+        return [round(h / max(1, b[f"all{j}"]), 4) for j, h in enumerate(hits.tolist(), 1)]
+
+    def curve(self) -> list[dict]:
+        """The history at each held-out check: the step, the mean training
+        accuracy since the check before, and the held-out accuracy."""
+        out, since = [], []
+        for h in self.history:
+            since.append(h["acc"])
+            if "held" in h:
+                acc = np.mean(since, axis=0).round(4).tolist()
+                out.append({"step": h["step"], "acc": acc, "held": h["held"]})
+                since = []
+        return out
+
     # -- checkpoints ---------------------------------------------------
     def save(self, folder: Path) -> None:
         arrays = dict(tree_flatten(self.layer.parameters(), prefix=".layer"))
