@@ -245,9 +245,11 @@ def make_drafter(
     if heads is None:
         return CopyDrafter(config.draft_len, tokens)
     if heads.config.design == "mtp":
+        from .copies_first import CopiesFirst
         from .mtp_drafter import MTPDrafter
 
-        return MTPDrafter(model, heads, start)
+        layer = MTPDrafter(model, heads, start)
+        return CopiesFirst(layer, tokens, heads.config.lookup) if config.context_drafts else layer
     if config.context_drafts:
         return CopyThenHeads(HeadsDrafter(model, heads, width, in_pass=False), tokens)
     return HeadsDrafter(model, heads, width)

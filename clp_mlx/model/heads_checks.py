@@ -23,6 +23,7 @@ from .mtp_layer import SHAPE, STYLES
 
 MAX_K = 64  # drafts per step; the paper's heads draft 3 to 5
 MAX_LOOKUP = 32  # longest n-gram context drafts match
+CONTEXT_NGRAM = 3  # the MTP layer's drafters: context copies of the last 1..3 tokens first
 META_MAX_BYTES = 1 << 20  # a heads.json is a few kB (the probe is 256 numbers)
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 FIX = "make the heads again (python -m clp_mlx.train) or fetch them again"

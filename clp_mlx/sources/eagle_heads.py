@@ -103,12 +103,14 @@ def eagle_arrays(state: dict, args, where: str) -> tuple[dict, dict]:
 def convert_eagle(checkpoint, model, out, *, k: int = 4, force: bool = False) -> Path:
     """Write an MTP-layer drafter folder ``out`` from the EAGLE head
     ``checkpoint`` for the loaded ``model``; ``k``: the drafts it makes per step."""
+    from ..model.heads_checks import CONTEXT_NGRAM
     from ..model.heads_files import init_heads, save_heads
 
     arrays, shape = eagle_arrays(load_head_state(checkpoint), model.args, str(checkpoint))
     bundle = init_heads(model, k, design="mtp", gate=False, head0=False,
                         name=f"EAGLE head {Path(checkpoint).name}", layer=shape)  # fmt: skip
     bundle.config.tree_branches = 1
+    bundle.use_context(CONTEXT_NGRAM)  # verify drafts copies first where the context matches
     dtype = bundle.clp.weight.dtype
     bundle.load_weights([(n, mx.array(v).astype(dtype)) for n, v in arrays.items()], strict=False)
     return save_heads(bundle, out, force=force, extra={"imported_from": str(checkpoint)})

@@ -22,6 +22,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model import backbone
+from ..model.heads_checks import CONTEXT_NGRAM
 from ..model.mtp_layer import MTPLayer
 from .mtp_data import Rows, batch, id_map_of
 from .trainer import load_checkpoint, part, save_checkpoint
@@ -137,4 +138,5 @@ def to_bundle(trainer: MTPTrainer, name: str = ""):
     bundle.mtp.update(layer.parameters())
     bundle.set_draft_vocab(trainer.vocab_ids.tolist())
     bundle.config.tree_branches = 1
+    bundle.use_context(CONTEXT_NGRAM)  # verify drafts copies first where the context matches
     return bundle

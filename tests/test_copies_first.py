@@ -1,0 +1,86 @@
+"""Context copies first, the MTP layer elsewhere (clp_mlx.decode.copies_first):
+the layer sees every pass, copies are drafted where the context matches, and
+verify with both writes greedy decoding's tokens."""
+
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from conftest import decode_pairs, tiny_model
+
+from clp_mlx import api
+from clp_mlx.decode.copies_first import CopiesFirst
+from clp_mlx.decode.drafters import PassDrafts, make_drafter
+from clp_mlx.decode.mtp_drafter import MTPDrafter
+from clp_mlx.decode.sampling import Sampling
+from clp_mlx.model.heads_files import init_heads
+
+
+class Inner:
+    """A drafter that records what it is asked and drafts [7, 7, 7]."""
+
+    k, in_pass = 3, False
+
+    def __init__(self):
+        self.seen, self.asked = [], 0
+
+    def observe(self, committed, got):
+        self.seen += committed
+        return [-1.0, -2.0, -3.0, -4.0]
+
+    def candidates(self, depth, count):
+        self.asked += 1
+        return [[7, 7, 7][:depth]]
+
+    def can_branch(self):
+        return False
+
+    def extend(self, tokens):
+        self.seen += tokens
+
+
+def test_copies_where_the_context_matches_the_inner_drafter_elsewhere():
+    inner = Inner()
+    drafter = CopiesFirst(inner, [1, 2, 3, 4, 5, 1, 2])
+    got = PassDrafts(None, None, None)
+    scores = drafter.observe([9], got)  # no earlier 9: no match
+    assert scores == [-1.0, -2.0, -3.0, -4.0] and drafter.candidates(3, 1) == [[7, 7, 7]]
+    drafter.observe([1, 2], got)  # "1 2" came before, followed by 3 and later by 9
+    assert drafter.candidates(3, 1)[0][0] in (3, 9) and inner.asked == 1  # a copy, not asked
+    drafter.extend([5])
+    assert inner.seen == [9, 1, 2, 5]  # every committed token reaches the inner drafter
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model(0)
+    bundle = init_heads(model, 3, design="mtp", gate=False, head0=False, seed=1)
+    mx.random.seed(7)
+    o = bundle.mtp.block.self_attn.o_proj
+    o.weight = mx.random.normal(o.weight.shape) * 0.3
+    bundle.use_context(3)
+    return model, bundle
+
+
+def test_verify_with_copies_and_the_layer_stays_greedy(setup):
+    model, bundle = setup
+    config = api.decode_config(max_tokens=4).resolve(model, bundle)
+    assert config.context_drafts and isinstance(
+        make_drafter(model, bundle, config, []), CopiesFirst
+    )
+    prompt = [5, 9, 17, 3, 77, 41, 5, 9, 17, 3, 77, 41, 5, 9]
+    plain = [t for t, _ in decode_pairs(prompt, model, bundle, max_tokens=40, mode="ar")]
+    fast = list(decode_pairs(prompt, model, bundle, max_tokens=40, mode="verify"))
+    assert [t for t, _ in fast] == plain
+    assert any(d for _, d in fast)  # drafts were accepted: the repeats were copied
+    alone = replace(api.decode_config(max_tokens=4), context_drafts=False).resolve(model, bundle)
+    assert isinstance(make_drafter(model, bundle, alone, []), MTPDrafter)
+
+
+def test_sampled_verify_with_copies_runs(setup):
+    model, bundle = setup
+    sampled = decode_pairs(
+        [5, 9, 17, 3, 5, 9, 17], model, bundle, max_tokens=30, mode="verify",
+        sampling=Sampling(temp=0.8, seed=3),
+    )  # fmt: skip
+    assert len(list(sampled)) == 30
