@@ -40,7 +40,8 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
     """The report on ``rows``: per depth, how often the draft is right alone
     and with the ones before it, and chain verify's tokens per pass walking
     every row as decoding does (with ``lookup``: also with context copies
-    where the context has a match, as ``CopyThenHeads`` drafts)."""
+    where the context has a match, as verify drafts: ``CopyThenHeads``,
+    ``CopiesFirst``)."""
     k = bundle.k
     hits = positions = 0
     runs_in = []
@@ -57,7 +58,7 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
         if lookup:
             copied, match = row_drafts(tokens, _anchors(tokens, starts, ends), k, lookup)
         for r in range(len(idx)):
-            span = slice(starts[r] - 1, ends[r] - 1)  # anchors whose t+2 is a greedy token
+            span = slice(starts[r] - 1, ends[r] - 1)  # anchors whose t+1 is a greedy token
             hits += int(right[r, span, 0].sum())
             positions += int(inside[r, span, 0].sum())
             runs_in.append(runs[r, starts[r] - 1 : ends[r] - 1 - k])  # every depth inside
