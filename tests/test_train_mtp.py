@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import decode_pairs
+from mlx import nn
 from mtp_helpers import distilled
 
 from clp_mlx.api import load_with_drafter
@@ -79,3 +80,29 @@ def test_eval_reports_acceptance_per_depth(root, capsys):
 def test_bad_data_is_one_error(root, tmp_path):
     with pytest.raises(ClpError, match="manifest"):
         main([*train_argv(root, "x")[:2], "--data", str(tmp_path), "--out", str(tmp_path / "o")])
+
+
+def test_soft_targets_are_the_backbones_distribution_one_position_on(root):
+    """--soft 1: each depth's target is the backbone's distribution (over the
+    draft vocabulary) at the position whose greedy token is the hard target,
+    here computed by running the backbone over the row's tokens."""
+    from clp_mlx.cli.train_mtp import _trainer, setup_arg_parser
+    from clp_mlx.train.mtp_data import batch
+
+    args = setup_arg_parser().parse_args(train_argv(root, "soft", "--soft", "1"))
+    trainer = _trainer(
+        args, mtp_trainer.MTPTrainConfig(depths=2, mlp_size=32, draft_vocab=64, soft=1.0)
+    )
+    b = batch(trainer.rows, np.arange(3), 2, trainer.id_map)
+    rows = trainer.rows.gather(np.arange(3), 2)[1]
+    logits = trainer.model(mx.array(np.maximum(rows, 0)))[..., mx.array(trainer.vocab_ids)]
+    width, length = b["h"].shape[-1], b["h"].shape[1]
+    want = mx.array(0.0)
+    for j, g in enumerate(trainer.outputs(b), 1):
+        at = np.array(b[f"at{j}"])
+        r, s = np.divmod(at, length)
+        teacher = mx.softmax(logits[mx.array(r), mx.array(s + j)].astype(mx.float32), axis=-1)
+        own = nn.log_softmax(trainer.logits(g.reshape(-1, width)[b[f"at{j}"]]), axis=-1)
+        want = want + 0.8 ** (j - 1) * -(teacher * own).sum() / at.size
+    got, _ = trainer._loss(b)
+    np.testing.assert_allclose(got.item(), want.item(), rtol=2e-3)

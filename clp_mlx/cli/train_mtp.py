@@ -22,7 +22,7 @@ from ..model.heads_checks import MAX_LOOKUP
 from ..train.mtp_trainer import MTPTrainConfig
 from .args import parser, run
 
-FLAGS = ("depths", "mlp_size", "steps", "batch", "lr", "warmup", "decay", "draft_vocab", "seed")
+FLAGS = ("depths", "mlp_size", "steps", "batch", "lr", "warmup", "decay", "draft_vocab", "seed", "soft")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -55,6 +55,8 @@ def main(argv=None) -> int:
             raise ClpError(f"--{name.replace('_', '-')} must be 1 or more")
     if not 0 < cfg.lr < 1 or not 0 < cfg.decay <= 1 or cfg.mlp_size < 0 or cfg.warmup < 0:
         raise ClpError("--lr must be in (0, 1), --decay in (0, 1], --mlp-size and --warmup >= 0")
+    if not 0 <= cfg.soft <= 1:
+        raise ClpError("--soft must be in [0, 1]")
     if not 0 <= args.lookup <= MAX_LOOKUP:
         raise ClpError(f"--lookup must be 0 to {MAX_LOOKUP}")
     missing = [d for d in args.data if not (Path(d) / "manifest.json").is_file()]

@@ -40,6 +40,7 @@ class MTPTrainConfig:
     draft_vocab: int = 16384
     seed: int = 0
     checkpoint_every: int = 25
+    soft: float = 0.0  # weight of the backbone's whole distribution as the target (1 - soft: its token)
 
 
 class MTPTrainer:
@@ -66,12 +67,17 @@ class MTPTrainer:
         return self.layer.unrolled(b["h"], embed, self.cfg.depths)
 
     def _loss(self, b: dict):
-        total, hits = mx.array(0.0), []
+        total, hits, soft = mx.array(0.0), [], self.cfg.soft
+        width = b["h"].shape[-1]
         for j, g in enumerate(self.outputs(b), 1):
             at, y = b[f"at{j}"], b[f"y{j}"]
-            logits = self.logits(g.reshape(-1, g.shape[-1])[at])
-            ce = nn.losses.cross_entropy(logits, y, reduction="sum") / max(1, at.size)
-            total = total + self.cfg.decay ** (j - 1) * ce
+            logits = self.logits(g.reshape(-1, width)[at])
+            ce = nn.losses.cross_entropy(logits, y, reduction="sum")
+            if soft:  # the backbone's distribution where it chose y: its state one position on
+                teacher = mx.softmax(b["h"].reshape(-1, width)[at + j] @ self.w.T, axis=-1)
+                own = -(mx.stop_gradient(teacher) * nn.log_softmax(logits, axis=-1)).sum()
+                ce = (1 - soft) * ce + soft * own
+            total = total + self.cfg.decay ** (j - 1) * ce / max(1, at.size)
             hits.append((mx.argmax(logits, axis=-1) == y).sum())
         return total, mx.stack(hits)
 
