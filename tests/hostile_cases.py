@@ -16,7 +16,7 @@ Face folders, GGUF files), ``hostile_cases_commands`` (command-line flags),
 from __future__ import annotations
 
 from hostile_cases_base import Inputs, link, make_inputs
-from hostile_cases_commands import bench_cmds, decode_flags, distill_cmd, train_cmd
+from hostile_cases_commands import bench_cmds, decode_flags, distill_cmd, train_cmd, train_mtp_cmd
 from hostile_cases_heads import heads_files, heads_to_package, prompt_ids, torch_heads
 from hostile_cases_keep import converters_keep_data, leftovers, silent
 from hostile_cases_models import gguf_files, hf_configs, model_folders
@@ -35,6 +35,7 @@ GROUPS = {
     "train": train_cmd,
     "bench": bench_cmds,
     "distill": distill_cmd,
+    "train_mtp": train_mtp_cmd,
     "decode_flags": decode_flags,
     "leftovers": leftovers,
     "silent": silent,

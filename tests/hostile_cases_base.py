@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 GEN, CHAT, CONVERT = "clp_mlx.generate", "clp_mlx.chat", "clp_mlx.cli.convert"
 TRAIN, BENCH = "clp_mlx.train", "clp_mlx.bench"
 STEP, DISTILL = "clp_mlx.cli.bench_step", "clp_mlx.cli.distill"
-SERVER = "clp_mlx.server"
+SERVER, TRAIN_MTP = "clp_mlx.server", "clp_mlx.cli.train_mtp"
 VOCAB = 128  # the tiny model's embedding rows
 # fmt: off
 TINY_TRAIN = ["--steps", "2", "--batch", "2", "--max-tokens", "96", "--prompt-tokens", "4",
@@ -43,6 +43,7 @@ class Inputs:
     hf: Path  # tiny Hugging Face folder, safetensors (tests/test_hf_convert.py)
     torch_heads: Path  # Medusa head checkpoint for `model` (tests/test_torch_heads.py)
     text: Path  # a little English text, for train/bench/distill
+    distilled: Path  # `model`'s self-distilled rows of `text`, some held out
 
 
 def make_inputs(folder: Path) -> Inputs:
@@ -53,6 +54,7 @@ def make_inputs(folder: Path) -> Inputs:
     from test_hf_convert import make_hf_folder
     from test_torch_heads import medusa_state
 
+    from clp_mlx.cli.distill import main as distill
     from clp_mlx.model.heads_files import save_heads
     from clp_mlx.sources.torch_zip import save_torch_file
 
@@ -69,7 +71,11 @@ def make_inputs(folder: Path) -> Inputs:
     proj = np.array(model.model.embed_tokens.weight)
     save_torch_file(folder / "x.pt", medusa_state(2, proj=proj))
     put(folder / "text.txt", TEXT)
-    names = ("model", "heads", "chat-model", "x.gguf", "hf", "x.pt", "text.txt")
+    distill(["--model", str(folder / "model"), "--out", str(folder / "distilled"), "--kind",
+             "wikitext", "--data", str(folder / "text.txt"), "--prompts", "8", "--prompt-tokens",
+             "4", "--new-tokens", "6", "--batch", "4", "--shard-size", "4", "--heldout", "0.25",
+             "--quiet"])  # fmt: skip
+    names = ("model", "heads", "chat-model", "x.gguf", "hf", "x.pt", "text.txt", "distilled")
     return Inputs(*(folder / name for name in names))
 
 

@@ -11,6 +11,7 @@ from hostile_cases_base import (
     STEP,
     TINY_TRAIN,
     TRAIN,
+    TRAIN_MTP,
     Inputs,
     gen,
     link,
@@ -33,6 +34,11 @@ DISTILL_FLAGS = [
     ("heldout-nan", "--heldout nan"), ("batch-0", "--batch 0"),
     ("shard-size-0", "--shard-size 0"), ("new-tokens-0", "--new-tokens 0"),
     ("prompt-tokens-0", "--prompt-tokens 0"), ("data-missing", "--data /nonexistent-hostile"),
+]
+TRAIN_MTP_FLAGS = [
+    ("soft-2", "--soft 2"), ("soft-nan", "--soft nan"), ("lookup-negative", "--lookup -1"),
+    ("lookup-99", "--lookup 99"), ("depths-0", "--depths 0"), ("lr-0", "--lr 0"),
+    ("decay-0", "--decay 0"), ("steps-0", "--steps 0"), ("draft-vocab-0", "--draft-vocab 0"),
 ]
 GENERATE_FLAGS = [  # (name, flags, allowed exit codes)
     ("max-tokens-0", "-m 0", 1), ("max-tokens-negative", "-m -1", 1),
@@ -128,6 +134,37 @@ def distill_cmd(batch: Batch, s: Inputs) -> None:
     (c.inp / "empty").mkdir()
     out = ["--out", c.inp / "out", "--kind", "code", "--data", c.inp / "empty"]
     c.cli(DISTILL, "--model", s.model, *out, "--prompts", "2", "--quiet")
+
+
+def train_mtp_cmd(batch: Batch, s: Inputs) -> None:
+    """The MTP layer's training and scoring: bad flags on good data, and distilled
+    folders that are not there or hold no shard yet."""
+
+    def case(name, *flags, module=TRAIN_MTP, data=None):
+        c = batch.new(f"train-mtp/{name}", "3")
+        args = [
+            "--model",
+            s.model,
+            "--data",
+            *(data(c) if data else [link(s.distilled, c.inp / "d")]),
+        ]
+        out = ["--heads", s.heads, "--eval"]
+        if module == TRAIN_MTP:
+            out = ["--out", c.inp / "out", "--steps", "2", "--quiet"]
+        c.cli(module, *args, *out, *flags)
+        c.may_change = ["in/out"]
+
+    def no_shard(c):
+        put(c.inp / "e" / "manifest.json", "{}")  # a distilled folder with no whole shard yet
+        return [c.inp / "e"]
+
+    for name, flags in TRAIN_MTP_FLAGS:
+        case(name, *flags.split())
+    case("data-no-manifest", data=lambda c: [c.inp])
+    case("data-no-shards", data=no_shard)
+    case("eval-no-held-out-rows", module=TRAIN, data=no_shard)
+    text_and_folder = lambda c: [link(s.distilled, c.inp / "d"), link(s.text, c.inp / "t.txt")]
+    case("eval-text-and-folder", module=TRAIN, data=text_and_folder)
 
 
 def decode_flags(batch: Batch, s: Inputs) -> None:
