@@ -117,3 +117,29 @@ def test_train_eval_scores_heads_on_held_out_rows(root, capsys):
     assert report["positions"] > 0 and report["walked_with_copies"] >= 1
     with pytest.raises(ClpError, match="not both"):
         train([*argv, "--data", str(root / "data"), str(root / "wiki.txt")])
+
+
+def test_the_walk_is_what_decoding_commits(root):
+    """An MTP layer trained on the rows: verify (every draft fed, no copies)
+    decoding each held-out prompt commits as many tokens a pass as the walk."""
+    from clp_mlx.cli.train_mtp import main as train_mtp
+    from clp_mlx.decode.config import DecodeConfig
+    from clp_mlx.decode.loop import decode
+
+    argv = ["--model", str(root / "tiny"), "--data", str(root / "data"), "--out", str(root / "m"),
+            "--steps", "30", "--batch", "4", "--depths", "2", "--mlp-size", "32", "--lr", "3e-3",
+            "--draft-vocab", "64", "--warmup", "2", "--quiet"]  # fmt: skip
+    assert train_mtp(argv) == 0
+    model, _, bundle = load_with_drafter(root / "tiny", root / "m" / "drafter")
+    rows = Rows.of([root / "data"], heldout=True)
+    report = rows_eval.evaluate_rows(model, bundle, rows)
+    assert report["accepted_by_depth"]["t+2"] > 0.3  # drafts that are often right
+    tokens = passes = 0
+    for i in range(len(rows)):
+        _, row, start, end = rows.gather(np.array([i]), bundle.k)
+        n = int(end[0] - start[0])
+        config = DecodeConfig(mode="verify", feed="all", context_drafts=False, max_tokens=n)
+        steps = list(decode(row[0, : start[0]].tolist(), model, bundle, config))
+        assert [t for s in steps for t in s.tokens][:n] == row[0, start[0] : end[0]].tolist()
+        tokens, passes = tokens + n, passes + len(steps)
+    assert tokens / passes == pytest.approx(report["walked_tokens_per_pass"], abs=0.01)
