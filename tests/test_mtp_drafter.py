@@ -9,7 +9,8 @@ import pytest
 from conftest import decode_pairs, tiny_model
 
 from clp_mlx import api
-from clp_mlx.decode.drafters import PassDrafts, make_drafter
+from clp_mlx.decode.choose import make_drafter
+from clp_mlx.decode.drafters import PassDrafts
 from clp_mlx.decode.mtp_drafter import MTPDrafter, run_scores
 from clp_mlx.decode.sampling import Sampling
 from clp_mlx.model.heads_files import init_heads, load_heads, save_heads

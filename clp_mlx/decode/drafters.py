@@ -16,8 +16,9 @@ distribution behind it (:meth:`Drafter.proposal`; a copy is a point mass).
 
 Implementations: :class:`HeadsDrafter` (the MTP heads), :class:`CopyThenHeads`
 (copies from the context where it has a match, :mod:`.lookup`, the heads
-elsewhere) and :class:`CopyDrafter` (copies only: any model, no training).
-A new drafter implements these methods.
+elsewhere) and :class:`CopyDrafter` (copies only: any model, no training);
+the MTP layer's in :mod:`.mtp_drafter` and :mod:`.copies_first`. A new
+drafter implements these methods; :mod:`.choose` picks one for a config.
 """
 
 from __future__ import annotations
@@ -233,23 +234,3 @@ class CopyDrafter:
 
     def draft(self, h, b, sampler=None):
         raise NotImplementedError("copies are drafted after the pass (in_pass is False)")
-
-
-def make_drafter(
-    model, heads, config, tokens: list[int], width: int = 1, start: int = 0
-) -> Drafter | None:
-    """The drafter a resolved ``config`` asks for; ``tokens``: the context so
-    far; ``start``: the position the prompt starts at (a kept cache's length)."""
-    if config.mode == "ar":
-        return None
-    if heads is None:
-        return CopyDrafter(config.draft_len, tokens)
-    if heads.config.design == "mtp":
-        from .copies_first import CopiesFirst
-        from .mtp_drafter import MTPDrafter
-
-        layer = MTPDrafter(model, heads, start)
-        return CopiesFirst(layer, tokens, heads.config.lookup) if config.context_drafts else layer
-    if config.context_drafts:
-        return CopyThenHeads(HeadsDrafter(model, heads, width, in_pass=False), tokens)
-    return HeadsDrafter(model, heads, width)

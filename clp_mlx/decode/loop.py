@@ -17,8 +17,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..model.backbone import hidden_states
 from ..model.tokens import prompt_ids
 from .ar import ar
+from .choose import make_drafter
 from .config import DecodeConfig
-from .drafters import make_drafter
 from .sampling import Sampler
 from .steps import Step
 from .tree import supported

@@ -1,0 +1,24 @@
+"""Which drafter a resolved decode config gets: :func:`make_drafter`."""
+
+from __future__ import annotations
+
+from .copies_first import CopiesFirst
+from .drafters import CopyDrafter, CopyThenHeads, Drafter, HeadsDrafter
+from .mtp_drafter import MTPDrafter
+
+
+def make_drafter(
+    model, heads, config, tokens: list[int], width: int = 1, start: int = 0
+) -> Drafter | None:
+    """The drafter a resolved ``config`` asks for; ``tokens``: the context so
+    far; ``start``: the position the prompt starts at (a kept cache's length)."""
+    if config.mode == "ar":
+        return None
+    if heads is None:
+        return CopyDrafter(config.draft_len, tokens)
+    if heads.config.design == "mtp":
+        layer = MTPDrafter(model, heads, start)
+        return CopiesFirst(layer, tokens, heads.config.lookup) if config.context_drafts else layer
+    if config.context_drafts:
+        return CopyThenHeads(HeadsDrafter(model, heads, width, in_pass=False), tokens)
+    return HeadsDrafter(model, heads, width)
