@@ -106,3 +106,17 @@ def test_soft_targets_are_the_backbones_distribution_one_position_on(root):
         want = want + 0.8 ** (j - 1) * -(teacher * own).sum() / at.size
     got, _ = trainer._loss(b)
     np.testing.assert_allclose(got.item(), want.item(), rtol=2e-3)
+
+
+def test_eval_without_held_out_rows_is_one_error(root):
+    from clp_mlx.cli.distill import main as distill
+
+    argv = ["--model", str(root / "tiny"), "--out", str(root / "all-train"), "--kind", "wikitext",
+            "--data", str(root / "wiki.txt"), "--prompts", "4", "--prompt-tokens", "6",
+            "--new-tokens", "8", "--batch", "4", "--heldout", "0", "--quiet"]  # fmt: skip
+    assert distill(argv) == 0
+    flags = train_argv(root, "no-held")
+    flags[flags.index("--data") + 1] = str(root / "all-train")
+    assert main(flags) == 0  # trains: the held-out check is skipped
+    with pytest.raises(ClpError, match="no whole held-out shard"):
+        main([*flags, "--eval"])

@@ -176,17 +176,9 @@ def _evaluate(args, source: FeatureSource) -> int:
 
 def _evaluate_rows(args, model, bundle) -> int:
     """Self-distilled data folders: the drafter on their held-out rows."""
-    from ..train.mtp_data import Rows
-    from ..train.rows_eval import evaluate_rows
+    from ..train.rows_eval import score_folders
 
-    report = {}
-    for d in args.data:
-        try:
-            rows = Rows.of([Path(d)], heldout=True)
-        except ValueError:
-            raise ClpError(f"{d} holds no whole held-out shard yet") from None
-        report[Path(d).name] = evaluate_rows(model, bundle, rows, args.lookup)
-    print(json.dumps(report, indent=1))
+    print(json.dumps(score_folders(model, bundle, args.data, args.lookup), indent=1))
     return 0
 
 

@@ -65,19 +65,16 @@ def main(argv=None) -> int:
     trainer = _trainer(args, cfg)
     out = Path(args.out)
     if args.eval:
-        from ..train.mtp_data import Rows
         from ..train.mtp_trainer import to_bundle
-        from ..train.rows_eval import evaluate_rows
+        from ..train.rows_eval import score_folders
 
         if not trainer.restore(out):
             raise ClpError(f"no checkpoint of these flags in {out}")
-        report, bundle = {"step": trainer.step, "config": asdict(cfg)}, to_bundle(trainer)
-        for d in args.data:
-            rows = Rows.of([Path(d)], heldout=True)
-            report[Path(d).name] = evaluate_rows(trainer.model, bundle, rows, args.lookup)
+        report = {"step": trainer.step, "config": asdict(cfg)}
+        report.update(score_folders(trainer.model, to_bundle(trainer), args.data, args.lookup))
         print(json.dumps(report, indent=1))
         return 0
-    _train(trainer, out, _held_rows(args.data), args.quiet)
+    _train(trainer, out, _held_rows(trainer, args.data), args.quiet)
     from ..model.heads_files import save_heads
     from ..train.fit import plot_history
     from ..train.mtp_trainer import to_bundle
@@ -104,14 +101,7 @@ def _trainer(args, cfg: MTPTrainConfig):
     from ..train.trainer import draft_vocabulary
 
     model, _, _ = load_with_drafter(args.model, "none")
-    try:
-        rows = Rows.of([Path(d) for d in args.data])
-    except ValueError:
-        raise ClpError("the data folders hold no whole training shard yet") from None
-    width = next(iter(rows.parts))["hidden"].shape[2]
-    if width != model.args.hidden_size:
-        raise ClpError(f"the data's hidden states are {width} wide; this model's are "
-                       f"{model.args.hidden_size}: data of another backbone")  # fmt: skip
+    rows = Rows.for_model(args.data, model.args.hidden_size)
     ids = draft_vocabulary(rows.greedy_tokens(), cfg.draft_vocab, model.args.vocab_size)
     mx.random.seed(cfg.seed)  # the same start in every run of these flags
     layer = MTPLayer(model.args, cfg.mlp_size)
@@ -122,13 +112,13 @@ def _trainer(args, cfg: MTPTrainConfig):
 HELD_ROWS = 32  # held-out rows checked at every checkpoint
 
 
-def _held_rows(data: list[str]) -> list:
+def _held_rows(trainer, data: list[str]) -> list:
     """The data folders' held-out rows (none yet: [])."""
     from ..train.mtp_data import Rows
 
     try:
-        return Rows.of([Path(d) for d in data], heldout=True)
-    except ValueError:
+        return Rows.for_model(data, trainer.model.args.hidden_size, heldout=True)
+    except ClpError:
         return []
 
 

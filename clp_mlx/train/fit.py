@@ -219,7 +219,10 @@ def _fit_gate(bundle, h, agree, seed: int, steps: int) -> float:
 
 
 def plot_history(history: list, path: Path, part: str = "head") -> None:
-    """The accuracy curves of the training report, if matplotlib is installed."""
+    """The accuracy curves of the training report, if matplotlib is installed
+    (none for an empty history)."""
+    if not history:
+        return
     try:
         import matplotlib
 
@@ -229,7 +232,7 @@ def plot_history(history: list, path: Path, part: str = "head") -> None:
         return  # the plot is optional: pip install matplotlib
     steps = [h["step"] for h in history]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for i in range(len(history[0]["acc"]) if history else 0):
+    for i in range(len(history[0]["acc"])):
         line = ax.plot(steps, [h["acc"][i] for h in history], label=f"{part} {i + 1} (t+{i + 2})")
         if "held" in history[0]:
             held = [h["held"][i] for h in history]

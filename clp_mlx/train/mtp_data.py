@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..errors import ClpError
 from .selfdistill_store import load_shard, shard_folders
 
 
@@ -30,6 +31,22 @@ class Rows:
     @classmethod
     def of(cls, dirs: list[Path], heldout: bool = False) -> Rows:
         return cls([f for d in dirs for f in shard_folders(Path(d), heldout)])
+
+    @classmethod
+    def for_model(cls, dirs: list, hidden_size: int, heldout: bool = False) -> Rows:
+        """The training (or held-out) rows of distilled folders ``dirs`` made
+        by a backbone of ``hidden_size``; ClpError when they hold none yet or
+        come from another backbone."""
+        try:
+            rows = cls.of([Path(d) for d in dirs], heldout)
+        except ValueError:
+            kind = "held-out" if heldout else "training"
+            raise ClpError(f"{', '.join(map(str, dirs))}: no whole {kind} shard yet") from None
+        width = rows.parts[0]["hidden"].shape[2]
+        if width != hidden_size:
+            raise ClpError(f"the data's hidden states are {width} wide; this model's are "
+                           f"{hidden_size}: data of another backbone")  # fmt: skip
+        return rows
 
     def __len__(self) -> int:
         return len(self.where)

@@ -13,6 +13,8 @@ mean the same for every design.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 
@@ -103,3 +105,12 @@ def _with_copies(drafts, copied, match, target, inside, starts, ends) -> list[np
         n += size
         out.append(np.cumprod((use == target[r, span]) & inside[r, span], axis=-1).sum(-1))
     return out
+
+
+def score_folders(model, bundle, dirs: list, lookup: int = 0) -> dict:
+    """:func:`evaluate_rows` on each distilled folder's held-out rows, by folder name."""
+    width = model.args.hidden_size
+    return {
+        Path(d).name: evaluate_rows(model, bundle, Rows.for_model([d], width, True), lookup)
+        for d in dirs
+    }
