@@ -1,16 +1,15 @@
 """Context copies first, another drafter elsewhere: :class:`CopiesFirst`.
 
 Where the last 1..N tokens occurred earlier in the context, what followed
-them there is drafted (prompt lookup); elsewhere the inner drafter's drafts
-are. Copies are scored as :class:`.drafters.CopyDrafter` scores them, by odds
-learnt as decoding goes; the inner drafter keeps its own scores. The inner
-drafter sees every pass, copied or not: one with its own cache (the MTP
-layer) must follow every committed token.
+them there is drafted (prompt lookup, scored by odds learnt as decoding goes:
+a :class:`.drafters.CopyDrafter`); elsewhere the inner drafter's drafts are,
+with its own scores. The inner drafter sees every pass, copied or not: one
+with its own cache (the MTP layer) must follow every committed token.
 """
 
 from __future__ import annotations
 
-from .lookup import ContextDrafter, CopyOdds
+from .drafters import CopyDrafter
 
 
 class CopiesFirst:
@@ -18,9 +17,7 @@ class CopiesFirst:
 
     def __init__(self, inner, tokens: list[int], max_ngram: int = 3):
         self.inner, self.k = inner, inner.k
-        self.copies = ContextDrafter(tokens, max_ngram)
-        self.odds = CopyOdds(self.k, max_ngram)
-        self._copied, self._match, self._fed = [], 0, 0
+        self.copies = CopyDrafter(inner.k, tokens, max_ngram)
 
     def at(self, hidden, choices, accepted):
         return self.inner.at(hidden, choices, accepted)
@@ -33,28 +30,20 @@ class CopiesFirst:
         self.inner.extend(tokens)
 
     def observe(self, committed, got) -> list[float]:
-        self.odds.learn(self._match, self._fed, len(committed) - 1)
+        odds = self.copies.observe(committed, got)
         scores = self.inner.observe(committed, got)
-        self.copies.extend(committed)
-        self._copied, self._match = self.copies.propose(self.k)
-        self._fed = 0
-        return self.odds.scores(self._match) if self._match else scores
+        return odds if self.copies.matched else scores
 
     def can_branch(self) -> bool:
-        return self._match > 0 or self.inner.can_branch()
+        return self.copies.matched or self.inner.can_branch()
 
     def candidates(self, depth: int, count: int) -> list[list[int]]:
-        if not self._match:
-            return self.inner.candidates(depth, count)
-        found = [self._copied[:depth]] if count == 1 else self.copies.candidates(depth, count)
-        found = found or [[]]
-        self._fed = max(len(c) for c in found)
-        return found
+        source = self.copies if self.copies.matched else self.inner
+        return source.candidates(depth, count)
 
     def proposal(self, depth, sampler):
-        if not self._match:
-            return self.inner.proposal(depth, sampler)
-        return self.candidates(depth, 1)[0], None
+        source = self.copies if self.copies.matched else self.inner
+        return source.proposal(depth, sampler)
 
     def draft(self, h, b, sampler=None):
         return self.inner.draft(h, b, sampler)

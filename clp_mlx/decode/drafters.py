@@ -220,8 +220,13 @@ class CopyDrafter:
         self._fed = 0
         return self.odds.scores(self._match)
 
-    def can_branch(self) -> bool:
+    @property
+    def matched(self) -> bool:
+        """Whether the context matched at the last :meth:`observe`."""
         return self._match > 0
+
+    def can_branch(self) -> bool:
+        return self.matched
 
     def candidates(self, depth: int, count: int) -> list[list[int]]:
         found = [self._copied[:depth]] if count == 1 else self.copies.candidates(depth, count)
