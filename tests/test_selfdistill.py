@@ -18,9 +18,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from clp_mlx.cli.args import guarded
 from clp_mlx.cli.distill import main
+from clp_mlx.errors import ClpError
 from clp_mlx.model.backbone import load_backbone, project
 from clp_mlx.train import selfdistill_magpie as magpie
 from clp_mlx.train import selfdistill_store as store
+from clp_mlx.train.mtp_data import Rows
 from clp_mlx.train.selfdistill import continue_batch, is_heldout
 from clp_mlx.train.selfdistill_prompts import cut_prompts, source_files
 
@@ -238,6 +240,18 @@ def test_heldout_prompts_never_reach_training_shards(reference):
     assert not set(train) & set(held)
     assert all(is_heldout(np.frombuffer(p, np.int32), 0.2) for p in held)
     assert store.totals(reference)["distinct"] == len(train)
+
+
+def test_heldout_1_makes_an_evaluation_only_folder(root):
+    """WikiText-2 valid, say: every prompt held out, none to train on."""
+    assert main(argv(root, "all-held", "--heldout", "1", prompts=10, new=6)) == 0
+    out = root / "all-held"
+    assert not store.shard_folders(out) and not list(out.glob("shard-*[0-9]"))
+    width = store.load_shard(store.shard_folders(out, True)[0])["hidden"].shape[2]
+    held = Rows.for_model([out], width, heldout=True)
+    assert len(held) == 10 and held.positions() == 10 * 6
+    with pytest.raises(ClpError, match="no whole training shard"):
+        Rows.for_model([out], width)
 
 
 def test_prompts_are_distinct_openings_first_then_deeper_windows():

@@ -50,7 +50,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=int, default=128, help="prompts per shard (default: 128)")
     p.add_argument("--shard", default=None, help="i/n: make only the shards j with j %% n == i")
     p.add_argument(
-        "--heldout", type=float, default=0.02, help="share of prompts held out (default: 0.02)"
+        "--heldout", type=float, default=0.02, help="share of prompts held out (default: 0.02; 1: all, for evaluation only)"
     )
     p.add_argument("--seed", type=int, default=0, help="prompt order and magpie sampling")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

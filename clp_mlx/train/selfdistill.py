@@ -66,8 +66,8 @@ class Settings:
         for name in ("prompts", "prompt_tokens", "new_tokens", "batch", "shard_size"):
             if getattr(self, name) < 1:
                 raise ClpError(f"--{name.replace('_', '-')} must be 1 or more")
-        if not 0 <= self.heldout < 1:
-            raise ClpError(f"--heldout must be in [0, 1), got {self.heldout}")
+        if not 0 <= self.heldout <= 1:  # 1: an evaluation-only folder
+            raise ClpError(f"--heldout must be in [0, 1], got {self.heldout}")
 
     @property
     def shards(self) -> int:
