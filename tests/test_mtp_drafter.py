@@ -92,8 +92,8 @@ def test_an_mtp_drafter_saves_loads_and_verify_stays_greedy(setup, tmp_path):
 
 
 def test_run_scores_are_log_chances_of_each_run():
-    got = np.exp(run_scores([0.5, 0.5]))
-    np.testing.assert_allclose(got, [0.5, 0.25, 0.25], rtol=1e-6)
+    got = np.exp(np.array(run_scores(mx.array([[0.5, 0.5], [1.0, 0.2]]))))
+    np.testing.assert_allclose(got, [[0.5, 0.25, 0.25], [1e-12, 0.8, 0.2]], rtol=1e-5)
 
 
 def test_make_drafter_picks_the_mtp_drafter(setup):

@@ -3,6 +3,7 @@ drafts it scores are the drafter's own, one anchor at a time, and the
 bookkeeping (acceptance per depth, tokens per pass, context copies) is exact
 on rows whose answers are known."""
 
+import itertools
 import json
 import math
 
@@ -55,17 +56,27 @@ class Stub:
     k, config = 3, type("C", (), {"design": "stub"})
 
 
+def sure_of(n, shape, k=3):
+    """CLP scores (..., k + 1) certain of a run of ``n``."""
+    return np.where(np.arange(k + 1) == n, 0.0, -30.0) * np.ones((*shape, 1))
+
+
 def oracle(model, bundle, hidden, tokens):
-    """The right draft at every depth of every anchor."""
+    """The right draft at every depth of every anchor; CLP sure of all three."""
     tokens, length = np.array(tokens), hidden.shape[1]
-    return np.stack([tokens[:, j : j + length] for j in range(2, bundle.k + 2)], axis=-1)
+    drafts = np.stack([tokens[:, j : j + length] for j in range(2, bundle.k + 2)], axis=-1)
+    return drafts, sure_of(3, drafts.shape[:2])
 
 
 def test_drafts_are_the_heads_own_one_anchor_at_a_time(root):
     model, _, bundle = load_with_drafter(root / "tiny", root / "chain")
     rows = Rows.of([root / "data"], heldout=True)
     hidden, tokens, _, _ = rows.gather(np.arange(2), bundle.k)
-    got = rows_eval.chain_drafts(model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
+    got, clp = rows_eval.chain_drafts(
+        model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0))
+    )
+    want = bundle.clp_logits(mx.array(hidden.reshape(-1, hidden.shape[-1])))
+    np.testing.assert_allclose(clp.reshape(-1, bundle.k + 1), np.array(want), rtol=1e-5, atol=1e-5)
     for r in range(2):
         for s in range(rows.length):
             one, _ = bundle.draft(
@@ -83,30 +94,37 @@ def test_right_drafts_walk_k_plus_one_tokens_a_pass(monkeypatch):
     passes = math.ceil(9 / 4) + math.ceil(13 / 4)  # a pass commits the token and 3 drafts
     assert report["walked_tokens_per_pass"] == round(22 / passes, 3)
     assert report["positions"] == 8 + 12  # anchors whose t+2 is in the row
+    sure = report["clp_mode"]["most_likely"]  # right drafts, all committed
+    assert sure == {"tokens_per_pass": 4.0, "wrong_commit_share": 0.0}
 
 
 def test_wrong_drafts_walk_one_token_and_copies_help(monkeypatch):
     monkeypatch.setattr(
-        rows_eval, "chain_drafts", lambda m, b, h, t: np.full((*h.shape[:2], 3), 99)
-    )
+        rows_eval, "chain_drafts",
+        lambda m, b, h, t: (np.full((*h.shape[:2], 3), 99), sure_of(1, h.shape[:2])),
+    )  # fmt: skip
     rows = Known([[10, 11, 12] * 6])  # after one period the context predicts the rest
     report = rows_eval.evaluate_rows(None, Stub, rows, lookup=2)
     assert report["agreement_t+2"] == 0.0 and report["walked_tokens_per_pass"] == 1.0
     assert list(report["conditional_by_depth"].values()) == [0.0, 0.0, 0.0]
     assert report["walked_with_copies"] > 2.5
+    assert report["clp_mode"]["p>=0.9"] == {"tokens_per_pass": 2.0, "wrong_commit_share": 1.0}
 
 
 def test_second_depth_right_only_after_the_first(monkeypatch):
     def half(model, bundle, hidden, tokens):
-        drafts = oracle(model, bundle, hidden, tokens)
+        drafts, _ = oracle(model, bundle, hidden, tokens)
         drafts[:, ::2, 0] = 99  # every other anchor's t+2 is wrong
-        return drafts
+        return drafts, sure_of(2, drafts.shape[:2])
 
     monkeypatch.setattr(rows_eval, "chain_drafts", half)
     report = rows_eval.evaluate_rows(None, Stub, Known([list(range(10, 40))]))
     accepted = report["accepted_by_depth"]
     assert 0.4 < accepted["t+2"] < 0.6 and accepted["t+3"] == accepted["t+2"]
     assert report["conditional_by_depth"]["t+3"] == 1.0
+    half_wrong = report["clp_mode"]["most_likely"]
+    assert half_wrong["tokens_per_pass"] == 3.0
+    assert half_wrong["wrong_commit_share"] == pytest.approx(1 - accepted["t+2"])
 
 
 def test_train_eval_scores_heads_on_held_out_rows(root, capsys):
@@ -143,3 +161,32 @@ def test_the_walk_is_what_decoding_commits(root):
         assert [t for s in steps for t in s.tokens][:n] == row[0, start[0] : end[0]].tolist()
         tokens, passes = tokens + n, passes + len(steps)
     assert tokens / passes == pytest.approx(report["walked_tokens_per_pass"], abs=0.01)
+
+
+def test_clp_mode_decides_as_the_scorer(root):
+    """The MTP layer's own CLP: clp-mode decoding commits, at its first pass
+    on each held-out prompt, as many drafts as the scorer's decision there
+    (the trained layer, and a perturbed copy that is less sure of itself)."""
+    from clp_mlx.decode.config import DecodeConfig
+    from clp_mlx.decode.loop import decode
+    from clp_mlx.model.heads import accept_count
+
+    model, _, bundle = load_with_drafter(root / "tiny", root / "m" / "drafter")  # trained above
+    rows, seen = Rows.of([root / "data"], heldout=True), set()
+    for noise in (0.0, 0.3):
+        mx.random.seed(5)
+        bundle.mtp.update(
+            tree_map(lambda p, s=noise: p + s * mx.random.normal(p.shape), bundle.mtp.parameters())
+        )
+        for threshold, i in itertools.product((None, 0.9), range(len(rows))):
+            hidden, row, start, _ = rows.gather(np.array([i]), bundle.k)
+            _, clp = rows_eval.chain_drafts(
+                model, bundle, mx.array(hidden), mx.array(np.maximum(row, 0))
+            )
+            want = accept_count(mx.array(clp[0, start[0] - 1]), threshold).item()
+            config = DecodeConfig(mode="clp", clp_threshold=threshold, context_drafts=False,
+                                  max_tokens=bundle.k + 2)  # fmt: skip
+            first = next(iter(decode(row[0, : start[0]].tolist(), model, bundle, config)))
+            assert len(first.tokens) - 1 == want, (noise, threshold, i)
+            seen.add(want)
+    assert len(seen) > 1  # decisions that differ: a test that can fail

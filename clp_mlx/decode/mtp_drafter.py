@@ -16,8 +16,6 @@ draft vocabulary), until a CLP is trained on top of it.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
 from ..model import backbone
@@ -66,7 +64,7 @@ class MTPDrafter:
         tokens, probs = self._draft(g, committed[-1])
         mx.eval(tokens, probs, *self.past)
         self._drafts = tokens.tolist()
-        return run_scores(probs.tolist())
+        return run_scores(probs).tolist()
 
     def _draft(self, g: mx.array, last: int):
         """Greedy drafts after ``last`` through the layer's depths, and the
@@ -98,11 +96,12 @@ class MTPDrafter:
         raise NotImplementedError("the MTP layer drafts after the pass (in_pass is False)")
 
 
-def run_scores(probs: list[float]) -> list[float]:
-    """Log-chances of runs of 0..k accepted drafts, taking draft ``j`` to be
-    accepted with probability ``probs[j]`` once those before it are."""
-    out, alive = [], 1.0
-    for p in [*probs, 0.0]:
-        out.append(math.log(max(alive * (1.0 - p), 1e-12)))
-        alive *= p
-    return out
+def run_scores(probs: mx.array) -> mx.array:
+    """Log-chances of runs of 0..k accepted drafts (last axis), taking draft
+    ``j`` to be accepted with probability ``probs[..., j]`` once those before
+    it are: the layer's own CLP."""
+    probs = probs.astype(mx.float32)
+    ones = mx.ones(probs.shape[:-1] + (1,), dtype=mx.float32)
+    alive = mx.cumprod(mx.concatenate([ones, probs], axis=-1), axis=-1)  # P(run >= n)
+    ends = 1.0 - mx.concatenate([probs, 0.0 * ones], axis=-1)  # the next one refused
+    return mx.log(mx.maximum(alive * ends, 1e-12))

@@ -124,17 +124,20 @@ class MTPLayer(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return self.finish(x, out), (k, v)
 
-    def unrolled(self, h: mx.array, tokens_emb, depths: int) -> list[mx.array]:
+    def unrolled(self, h: mx.array, tokens_emb, depths: int, drafted=None) -> list[mx.array]:
         """Training: outputs per depth, each (B, L, d), for anchors ``s`` of
         ``h`` (B, L, d). ``tokens_emb(j)`` gives the embeddings (B, L, d) of
-        the token each anchor's depth ``j`` reads (1-based: ``x_{s+j}``)."""
+        the token each anchor's depth ``j`` reads (1-based: ``x_{s+j}``).
+        With ``drafted`` (outputs -> embeddings of their drafts), depths
+        after the first read their own drafts instead, as decoding does."""
         attn = self.block.self_attn
         groups = attn.n_heads // attn.n_kv_heads
         length = h.shape[1]
         causal = mx.arange(length)[None] <= mx.arange(length)[:, None]
         feature, outs, own_k, own_v = h, [], [], []
         for j in range(1, depths + 1):
-            x = self.fuse(feature, tokens_emb(j))
+            emb = tokens_emb(j) if j == 1 or drafted is None else drafted(feature)
+            x = self.fuse(feature, emb)
             q, k, v = self.qkv(x, j - 1)
             if j == 1:
                 k1 = mx.repeat(k, groups, axis=1)

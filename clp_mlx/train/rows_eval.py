@@ -3,9 +3,8 @@
 
 At every anchor ``s`` of a row's continuation the drafter drafts
 ``x_{s+2} .. x_{s+1+k}`` from the backbone's hidden state there and its
-token ``x_{s+1}``. A chain's later drafts read its earlier ones; the MTP
-layer's read the greedy tokens instead (one unrolled pass), which is the same
-wherever the drafts before them are right. So ``accepted_by_depth`` (every
+token ``x_{s+1}``. Later drafts read the drafter's earlier ones, as
+decoding does (the MTP layer: in one unrolled pass). So ``accepted_by_depth`` (every
 draft up to t+j right: how often chain verify accepts the draft at t+j) and
 ``conditional_by_depth`` (the draft at t+j right when the ones before it are)
 mean the same for every design.
@@ -19,23 +18,39 @@ import mlx.core as mx
 import numpy as np
 
 from ..decode.lookup import row_drafts
+from ..decode.mtp_drafter import run_scores
 from ..model import backbone
+from ..model.heads import accept_count
 from .mtp_data import Rows
 from .trainer import walked_tokens_per_pass
 
 
-def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array) -> np.ndarray:
-    """Drafts (B, L, k) at every anchor of ``hidden`` (B, L, d); ``tokens``
-    (B, >= L + k + 1) are the rows' tokens."""
+def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array):
+    """Drafts (B, L, k) at every anchor of ``hidden`` (B, L, d), and CLP's
+    scores (B, L, k + 1) over accepting 0..k of them; ``tokens``
+    (B, >= L + k + 1) are the rows' tokens. The MTP layer's CLP is its own
+    chance of each run (:func:`run_scores`), from each depth's probability
+    of its draft."""
     k, (rows, length, width) = bundle.k, hidden.shape
     if bundle.config.design == "mtp":
-        layer = bundle.mtp
-        outs = layer.unrolled(hidden, lambda j: backbone.embed(model, tokens[:, j : j + length]), k)
-        ids = [bundle.draft_ids(model, layer.readout(model.model.norm, g)) for g in outs]
-        return np.array(mx.stack(ids, axis=-1))
+        layer, ids, probs = bundle.mtp, [], []
+
+        def read(g):  # a depth's draft, and the layer's probability of it
+            scores, vocab = bundle._draft_scores(model, layer.readout(model.model.norm, g))
+            scores = scores.astype(mx.float32)
+            best = mx.argmax(scores, axis=-1)
+            ids.append(best if vocab is None else vocab[best])
+            probs.append(mx.exp(mx.max(scores, axis=-1) - mx.logsumexp(scores, axis=-1)))
+            return backbone.embed(model, ids[-1].astype(mx.uint32))
+
+        first = lambda j: backbone.embed(model, tokens[:, 1 : 1 + length])
+        read(layer.unrolled(hidden, first, k, drafted=read)[-1])
+        return np.array(mx.stack(ids, axis=-1)), np.array(run_scores(mx.stack(probs, axis=-1)))
+    flat = hidden.reshape(-1, width)
     after = tokens[:, 1 : length + 1].reshape(-1).astype(mx.uint32)
-    drafts, _ = bundle.draft(model, hidden.reshape(-1, width), after)
-    return np.array(drafts).reshape(rows, length, k)
+    drafts, _ = bundle.draft(model, flat, after)
+    clp = bundle.clp_logits(flat).astype(mx.float32)
+    return np.array(drafts).reshape(rows, length, k), np.array(clp).reshape(rows, length, k + 1)
 
 
 def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 8) -> dict:
@@ -43,15 +58,17 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
     and with the ones before it, and chain verify's tokens per pass walking
     every row as decoding does (with ``lookup``: also with context copies
     where the context has a match, as verify drafts: ``CopyThenHeads``,
-    ``CopiesFirst``)."""
+    ``CopiesFirst``); and clp mode's tokens a pass and share of passes that
+    commit a wrong draft, at CLP's most likely run and at thresholds."""
     k = bundle.k
     hits = positions = 0
-    runs_in = []
+    runs_in, decided = [], {t: [] for t in THRESHOLDS}
     walks = {"drafter": [], "with_copies": []}
     for start in range(0, len(rows), batch_rows):
         idx = np.arange(start, min(len(rows), start + batch_rows))
         hidden, tokens, starts, ends = rows.gather(idx, k)
-        drafts = chain_drafts(model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
+        drafts, clp = chain_drafts(model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
+        counts = {t: np.array(accept_count(mx.array(clp), t)) for t in THRESHOLDS}
         at = np.arange(rows.length)[None, :, None] + np.arange(2, k + 2)[None, None]
         target = tokens[:, np.minimum(at[0], tokens.shape[1] - 1)]  # (B, L, k)
         inside = (at < ends[:, None, None]) & (at >= starts[:, None, None])
@@ -63,7 +80,10 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
             span = slice(starts[r] - 1, ends[r] - 1)  # anchors whose t+1 is a greedy token
             hits += int(right[r, span, 0].sum())
             positions += int(inside[r, span, 0].sum())
-            runs_in.append(runs[r, starts[r] - 1 : ends[r] - 1 - k])  # every depth inside
+            inner = slice(starts[r] - 1, ends[r] - 1 - k)  # every depth inside
+            runs_in.append(runs[r, inner])
+            for t, n in counts.items():
+                decided[t].append(n[r, inner])
             walks["drafter"].append(runs[r, span])
         if lookup:
             walks["with_copies"] += _with_copies(
@@ -84,7 +104,24 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
     }
     if lookup:
         out["walked_with_copies"] = round(walked_tokens_per_pass(walks["with_copies"]), 3)
+    out["clp_mode"] = {_name(t): _unchecked(np.concatenate(n), run) for t, n in decided.items()}
     return out
+
+
+THRESHOLDS = (None, 0.7, 0.8, 0.9)  # CLP's most likely run, or the longest this likely
+
+
+def _name(threshold) -> str:
+    return "most_likely" if threshold is None else f"p>={threshold}"
+
+
+def _unchecked(n: np.ndarray, run: np.ndarray) -> dict:
+    """clp mode, committing ``n`` drafts unchecked where ``run`` are right:
+    tokens a pass, and the share of passes that commit a wrong draft."""
+    return {
+        "tokens_per_pass": round(1 + float(n.mean()), 3),
+        "wrong_commit_share": round(float((n > run).mean()), 4),
+    }
 
 
 def _anchors(tokens: np.ndarray, starts, ends) -> np.ndarray:
