@@ -46,6 +46,32 @@ def test_training_writes_a_drafter_that_verify_decodes_with(root):
     assert all(0 <= a <= 1 for c in curve for a in c["held"] + c["acc"])
 
 
+def test_the_drafter_ships_with_its_report(root, tmp_path):
+    """training.json says how it was made (command, data, curve, held-out
+    scores); heads-to-package halves it, and verify still decodes as ar."""
+    from clp_mlx.sources.packaging import package_heads
+
+    if not (root / "one" / "drafter").is_dir():
+        assert main(train_argv(root, "one")) == 0
+    report = json.loads((root / "one" / "drafter" / "training.json").read_text())
+    assert report["command"].startswith("python -m clp_mlx.cli.train_mtp --model")
+    (data,) = report["data"]
+    assert data["folder"] == "data" and data["settings"]["kind"] == "wikitext"
+    assert report["train_rows"] == data["training_rows"] > 0 and report["train_positions"] > 0
+    assert report["held_out"]["data"]["rows"] == data["held_out_rows"] > 0
+    assert set(report["held_out"]["data"]["clp_mode"]) >= {"most_likely", "p>=0.9"}
+    assert 0 < report["draft_vocab_coverage"] <= 1 and report["resumed_at_step"] == 0
+    dest = package_heads(root / "one" / "drafter", "qwen2.5-coder-0.5b-instruct", tmp_path)
+    assert {v.dtype for v in mx.load(str(dest / "heads.safetensors")).values() if v.ndim > 1} == {
+        mx.float16
+    }
+    model, _, bundle = load_with_drafter(root / "tiny", dest)
+    prompt = [5, 9, 17, 3, 77, 41]
+    plain = [t for t, _ in decode_pairs(prompt, model, bundle, max_tokens=20, mode="ar")]
+    fast = [t for t, _ in decode_pairs(prompt, model, bundle, max_tokens=20, mode="verify")]
+    assert fast == plain
+
+
 def test_a_killed_run_resumes_to_the_same_weights(root, monkeypatch):
     assert main(train_argv(root, "whole")) == 0
     step = mtp_trainer.MTPTrainer.train_step

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,11 +23,12 @@ from ..model.heads_checks import MAX_LOOKUP
 from ..train.mtp_trainer import MTPTrainConfig
 from .args import parser, run
 
+COMMAND = "python -m clp_mlx.cli.train_mtp"
 FLAGS = ("depths", "mlp_size", "steps", "batch", "lr", "warmup", "decay", "draft_vocab", "seed", "soft")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = parser("python -m clp_mlx.cli.train_mtp", __doc__.splitlines()[0])
+    p = parser(COMMAND, __doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="as for generate (default: the 0.5B)")
     p.add_argument("--data", nargs="+", required=True, help="self-distilled data folders")
     p.add_argument("--out", required=True, help="checkpoint folder (made, or resumed)")
@@ -74,21 +76,57 @@ def main(argv=None) -> int:
         report.update(score_folders(trainer.model, to_bundle(trainer), args.data, args.lookup))
         print(json.dumps(report, indent=1))
         return 0
-    _train(trainer, out, _held_rows(trainer, args.data), args.quiet)
-    from ..model.heads_files import save_heads
-    from ..train.fit import plot_history
-    from ..train.mtp_trainer import to_bundle
-
-    bundle = to_bundle(trainer, args.model or "")
-    report = {
-        "training": asdict(cfg),
-        "data": [str(d) for d in args.data],
-        "curve": trainer.curve(),
-    }
-    save_heads(bundle, out / "drafter", force=True, extra=report)
-    plot_history(report["curve"], out / "drafter" / "training.png", part="depth")
+    held = _held_rows(trainer, args.data)
+    started = time.perf_counter()
+    resumed = _train(trainer, out, held, args.quiet)
+    seconds = round(time.perf_counter() - started, 1)
+    words = argv if argv is not None else sys.argv[1:]
+    timing = {"seconds": seconds, "resumed_at_step": resumed}
+    _write_drafter(args, trainer, out / "drafter", " ".join([COMMAND, *words]), timing)
     print(f"drafter written to {out / 'drafter'}", file=sys.stderr)
     return 0
+
+
+def _write_drafter(args, trainer, folder: Path, command: str, timing: dict) -> None:
+    """The drafter, with its report (``training.json``, as the heads' trainer
+    writes: what ``convert heads-to-package`` ships) and curves."""
+    import numpy as np
+
+    from ..model.heads_files import save_heads
+    from ..paths import write_text
+    from ..train import selfdistill_store as store
+    from ..train.fit import plot_history
+    from ..train.mtp_trainer import to_bundle
+    from ..train.rows_eval import score_folders
+
+    bundle, rows = to_bundle(trainer, args.model or ""), trainer.rows
+    greedy = rows.greedy_tokens()
+    report = {
+        "command": command,
+        "data": [store.describe(Path(d)) for d in args.data],
+        "train_rows": len(rows),
+        "train_positions": rows.positions(),
+        "config": asdict(trainer.cfg),
+        "draft_vocab_coverage": round(float(np.isin(greedy, trainer.vocab_ids).mean()), 4),
+        **timing,  # "seconds": this run's training only
+        "curve": trainer.curve(),
+        "held_out": _scores(trainer.model, bundle, args.data, args.lookup, score_folders),
+        "backbone_fingerprint": bundle.config.fingerprint,
+    }
+    save_heads(bundle, folder, force=True, extra={"curve": report["curve"]})
+    plot_history(report["curve"], folder / "training.png", part="depth")
+    write_text(folder / "training.json", json.dumps(report, indent=1) + "\n")
+
+
+def _scores(model, bundle, data, lookup, score_folders) -> dict:
+    """The drafter on each folder's held-out rows (a folder without any: left out)."""
+    out = {}
+    for d in data:
+        try:
+            out.update(score_folders(model, bundle, [d], lookup))
+        except ClpError:
+            pass
+    return out
 
 
 def _trainer(args, cfg: MTPTrainConfig):
@@ -122,7 +160,8 @@ def _held_rows(trainer, data: list[str]) -> list:
         return []
 
 
-def _train(trainer, out: Path, held, quiet: bool) -> None:
+def _train(trainer, out: Path, held, quiet: bool) -> int:
+    """Train to the last step, from the checkpoint if any; the step it resumed at."""
     import numpy as np
     from tqdm import tqdm
 
@@ -130,8 +169,9 @@ def _train(trainer, out: Path, held, quiet: bool) -> None:
     from ..train.mtp_data import batch
 
     cfg = trainer.cfg
-    if trainer.restore(out):
-        print(f"resuming at step {trainer.step}", file=sys.stderr)
+    resumed = trainer.step if trainer.restore(out) else 0
+    if resumed:
+        print(f"resuming at step {resumed}", file=sys.stderr)
     check = None
     if len(held):
         check = batch(held, np.arange(min(HELD_ROWS, len(held))), cfg.depths, trainer.id_map)
@@ -146,6 +186,7 @@ def _train(trainer, out: Path, held, quiet: bool) -> None:
             trainer.save(out)
             plot_history(trainer.curve(), out / "curves.png", part="depth")
     bar.close()
+    return resumed
 
 
 if __name__ == "__main__":

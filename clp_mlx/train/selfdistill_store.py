@@ -202,3 +202,21 @@ def totals(out: Path) -> dict:
         for row, n in zip(arrays["tokens"], arrays["prompt_len"]):
             prompts.add(row[:n].tobytes())
     return {**count, "distinct": len(prompts)}
+
+
+def describe(out: Path) -> dict:
+    """A data folder for a training report: its kind, source names, settings
+    and totals (no paths: the report names no one's folders)."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    sources = manifest.get("sources", {})
+    about = {
+        "folder": out.name,
+        "model": sources.get("model"),
+        "data": [Path(d).name for d in sources.get("data") or []],
+        "settings": manifest.get("settings"),
+    }
+    count = totals(out)
+    return {**about, "shards": count["shards"], "training_rows": count[TRAIN],
+            "held_out_rows": count[HELD], "positions": count["positions"],
+            "distinct_training_prompts": count["distinct"]}  # fmt: skip
+
