@@ -32,7 +32,9 @@ def reference(model, bundle, tokens, hidden, p, drafts):
     """The layer's drafts at anchor ``p`` computed at once over positions 0..p."""
     seq = mx.concatenate([tokens[: p + 2], mx.array(drafts)])
     embed = model.model.embed_tokens
-    outs = bundle.mtp.unrolled(hidden[None, : p + 1], lambda j: embed(seq[None, j : j + p + 1]), 3)
+    outs = bundle.mtp.unrolled(
+        hidden[None, : p + 1], lambda j: embed(seq[None, j : j + p + 1]), 3, model.model.norm
+    )
     return [
         int(mx.argmax(model.model.embed_tokens.as_linear(model.model.norm(g[0, p])))) for g in outs
     ]

@@ -19,28 +19,28 @@ def setup():
     h = mx.random.normal((1, LENGTH, model.args.hidden_size)) * 3
     tokens = mx.random.randint(0, 128, (1, LENGTH + DEPTHS))
     embed = model.model.embed_tokens
-    return layer, h, tokens, embed
+    return layer, h, tokens, embed, model.model.norm
 
 
 def test_unrolled_equals_step_by_step_decoding(setup):
-    layer, h, tokens, embed = setup
-    outs = layer.unrolled(h, lambda j: embed(tokens[:, j : j + LENGTH]), DEPTHS)
+    layer, h, tokens, embed, norm = setup
+    outs = layer.unrolled(h, lambda j: embed(tokens[:, j : j + LENGTH]), DEPTHS, norm)
     for s in range(LENGTH):
         x = layer.fuse(h[:, : s + 1], embed(tokens[:, 1 : s + 2]))
         g, past = layer.step(x, 0, None)  # depth 1 for anchors 0..s: the committed keys
         feature = g[:, -1:]
         np.testing.assert_allclose(feature[0, 0], outs[0][0, s], rtol=1e-4, atol=1e-4)
         for j in range(2, DEPTHS + 1):
-            x = layer.fuse(feature, embed(tokens[:, s + j : s + j + 1]))
+            x = layer.fuse(norm(feature), embed(tokens[:, s + j : s + j + 1]))
             feature, past = layer.step(x, s + j - 1, past)
             np.testing.assert_allclose(feature[0, 0], outs[j - 1][0, s], rtol=1e-4, atol=1e-4)
 
 
 def test_a_later_anchor_never_changes_an_earlier_one(setup):
-    layer, h, tokens, embed = setup
-    outs = layer.unrolled(h, lambda j: embed(tokens[:, j : j + LENGTH]), DEPTHS)
+    layer, h, tokens, embed, norm = setup
+    outs = layer.unrolled(h, lambda j: embed(tokens[:, j : j + LENGTH]), DEPTHS, norm)
     h2 = mx.concatenate([h[:, :4], h[:, 4:] * -1.0], axis=1)
-    outs2 = layer.unrolled(h2, lambda j: embed(tokens[:, j : j + LENGTH]), DEPTHS)
+    outs2 = layer.unrolled(h2, lambda j: embed(tokens[:, j : j + LENGTH]), DEPTHS, norm)
     for a, b in zip(outs, outs2):
         np.testing.assert_allclose(a[0, :4], b[0, :4], rtol=1e-5, atol=1e-5)
         assert not np.allclose(a[0, 4:], b[0, 4:])
@@ -52,5 +52,5 @@ def test_a_fresh_layer_drafts_what_the_backbone_chose():
     layer.start_as_backbone(model.model.norm)
     tokens = mx.array([[5, 9, 17, 3, 77, 41]])
     h = model.model(tokens)  # final-norm hidden states
-    (g,) = layer.unrolled(h, lambda j: model.model.embed_tokens(tokens), 1)
+    (g,) = layer.unrolled(h, lambda j: model.model.embed_tokens(tokens), 1, model.model.norm)
     np.testing.assert_allclose(model.model.norm(g), h, rtol=1e-3, atol=1e-3)

@@ -71,9 +71,9 @@ class MTPDrafter:
         probability the layer gave each (over the draft vocabulary)."""
         past, tokens, probs, prev = self.past, [], [], mx.array([last])
         for depth in range(self.k):
-            if depth:
+            if depth:  # the next depth reads what the projection read
                 emb = backbone.embed(self.model, prev.astype(mx.uint32))
-                x = self.layer.fuse(g, emb[None].astype(g.dtype))
+                x = self.layer.fuse(out[None], emb[None].astype(out.dtype))
                 g, past = self.layer.step(x, self.offset + depth - 1, past)
             out = self.layer.readout(self.model.model.norm, g[0])
             scores, ids = self.bundle._draft_scores(self.model, out)

@@ -64,7 +64,7 @@ class MTPTrainer:
     def outputs(self, b: dict) -> list[mx.array]:
         tokens, length = b["tokens"], b["h"].shape[1]
         embed = lambda j: backbone.embed(self.model, tokens[:, j : j + length])
-        return self.layer.unrolled(b["h"], embed, self.cfg.depths)
+        return self.layer.unrolled(b["h"], embed, self.cfg.depths, self.model.model.norm)
 
     def _loss(self, b: dict):
         total, hits, soft = mx.array(0.0), [], self.cfg.soft

@@ -44,7 +44,7 @@ def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array):
             return backbone.embed(model, ids[-1].astype(mx.uint32))
 
         first = lambda j: backbone.embed(model, tokens[:, 1 : 1 + length])
-        read(layer.unrolled(hidden, first, k, drafted=read)[-1])
+        read(layer.unrolled(hidden, first, k, model.model.norm, drafted=read)[-1])
         return np.array(mx.stack(ids, axis=-1)), np.array(run_scores(mx.stack(probs, axis=-1)))
     flat = hidden.reshape(-1, width)
     after = tokens[:, 1 : length + 1].reshape(-1).astype(mx.uint32)
