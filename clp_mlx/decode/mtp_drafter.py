@@ -70,12 +70,13 @@ class MTPDrafter:
         """Greedy drafts after ``last`` through the layer's depths, and the
         probability the layer gave each (over the draft vocabulary)."""
         past, tokens, probs, prev = self.past, [], [], mx.array([last])
+        out = self.layer.readout(self.model.model.norm, g[0])
         for depth in range(self.k):
             if depth:  # the next depth reads what the projection read
                 emb = backbone.embed(self.model, prev.astype(mx.uint32))
                 x = self.layer.fuse(out[None], emb[None].astype(out.dtype))
                 g, past = self.layer.step(x, self.offset + depth - 1, past)
-            out = self.layer.readout(self.model.model.norm, g[0])
+                out = self.layer.readout(self.model.model.norm, g[0])
             scores, ids = self.bundle._draft_scores(self.model, out)
             best = mx.argmax(scores, axis=-1)
             probs.append(mx.softmax(scores.astype(mx.float32), axis=-1)[0, best[0]])
