@@ -3,6 +3,8 @@ draft is what the layer computes from scratch over the committed sequence),
 it saves and loads as a drafter folder, and verify with it writes greedy
 decoding's tokens."""
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from clp_mlx.decode.choose import make_drafter
 from clp_mlx.decode.drafters import PassDrafts
 from clp_mlx.decode.mtp_drafter import MTPDrafter, run_scores
 from clp_mlx.decode.sampling import Sampling
+from clp_mlx.errors import ClpError
 from clp_mlx.model.heads_files import init_heads, load_heads, save_heads
 
 
@@ -91,6 +94,19 @@ def test_an_mtp_drafter_saves_loads_and_verify_stays_greedy(setup, tmp_path):
         prompt, model, loaded, max_tokens=30, mode="verify", sampling=Sampling(temp=0.8, seed=3)
     )
     assert len(list(sampled)) == 30
+
+
+def test_a_layer_from_before_the_normed_feed_is_refused(setup, tmp_path):
+    """Its later depths were trained to read the raw output: decoding it now
+    would draft from inputs it never saw, so it is one error, not bad drafts."""
+    model, bundle, _, _ = setup
+    folder = save_heads(bundle, tmp_path / "mtp")
+    assert bundle.config.layer["feed"] == "norm"
+    meta = json.loads((folder / "heads.json").read_text())
+    del meta["layer"]["feed"]
+    (folder / "heads.json").write_text(json.dumps(meta))
+    with pytest.raises(ClpError, match="retrain it"):
+        load_heads(folder, model)
 
 
 def test_run_scores_are_log_chances_of_each_run():

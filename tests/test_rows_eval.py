@@ -3,7 +3,6 @@ drafts it scores are the drafter's own, one anchor at a time, and the
 bookkeeping (acceptance per depth, tokens per pass, context copies) is exact
 on rows whose answers are known."""
 
-import itertools
 import json
 import math
 
@@ -137,18 +136,25 @@ def test_train_eval_scores_heads_on_held_out_rows(root, capsys):
         train([*argv, "--data", str(root / "data"), str(root / "wiki.txt")])
 
 
-def test_the_walk_is_what_decoding_commits(root):
-    """An MTP layer trained on the rows: verify (every draft fed, no copies)
-    decoding each held-out prompt commits as many tokens a pass as the walk."""
+@pytest.fixture(scope="module")
+def trained(root):
+    """An MTP layer trained on the rows: its drafter folder."""
     from clp_mlx.cli.train_mtp import main as train_mtp
-    from clp_mlx.decode.config import DecodeConfig
-    from clp_mlx.decode.loop import decode
 
     argv = ["--model", str(root / "tiny"), "--data", str(root / "data"), "--out", str(root / "m"),
             "--steps", "30", "--batch", "4", "--depths", "2", "--mlp-size", "32", "--lr", "3e-3",
             "--draft-vocab", "64", "--warmup", "2", "--quiet"]  # fmt: skip
     assert train_mtp(argv) == 0
-    model, _, bundle = load_with_drafter(root / "tiny", root / "m" / "drafter")
+    return root / "m" / "drafter"
+
+
+def test_the_walk_is_what_decoding_commits(root, trained):
+    """Verify (every draft fed, no copies) decoding each held-out prompt
+    commits as many tokens a pass as the walk."""
+    from clp_mlx.decode.config import DecodeConfig
+    from clp_mlx.decode.loop import decode
+
+    model, _, bundle = load_with_drafter(root / "tiny", trained)
     rows = Rows.of([root / "data"], heldout=True)
     report = rows_eval.evaluate_rows(model, bundle, rows)
     assert report["accepted_by_depth"]["t+2"] > 0.3  # drafts that are often right
@@ -163,30 +169,35 @@ def test_the_walk_is_what_decoding_commits(root):
     assert tokens / passes == pytest.approx(report["walked_tokens_per_pass"], abs=0.01)
 
 
-def test_clp_mode_decides_as_the_scorer(root):
-    """The MTP layer's own CLP: clp-mode decoding commits, at its first pass
-    on each held-out prompt, as many drafts as the scorer's decision there
-    (the trained layer, and a perturbed copy that is less sure of itself)."""
+def test_unchecked_decoding_drafts_and_decides_as_the_scorer(root, trained):
+    """At its first pass on each held-out prompt, `fixed` decoding commits the
+    scorer's drafts there, and `clp` as many as the scorer's CLP decision (the
+    trained layer, and a perturbed copy that is less sure of itself)."""
     from clp_mlx.decode.config import DecodeConfig
     from clp_mlx.decode.loop import decode
     from clp_mlx.model.heads import accept_count
 
-    model, _, bundle = load_with_drafter(root / "tiny", root / "m" / "drafter")  # trained above
+    def first_pass(prompt, **settings):
+        config = DecodeConfig(context_drafts=False, max_tokens=bundle.k + 2, **settings)
+        return next(iter(decode(prompt, model, bundle, config))).tokens
+
+    model, _, bundle = load_with_drafter(root / "tiny", trained)
     rows, seen = Rows.of([root / "data"], heldout=True), set()
     for noise in (0.0, 0.3):
         mx.random.seed(5)
         bundle.mtp.update(
             tree_map(lambda p, s=noise: p + s * mx.random.normal(p.shape), bundle.mtp.parameters())
         )
-        for threshold, i in itertools.product((None, 0.9), range(len(rows))):
+        for i in range(len(rows)):
             hidden, row, start, _ = rows.gather(np.array([i]), bundle.k)
-            _, clp = rows_eval.chain_drafts(
+            drafts, clp = rows_eval.chain_drafts(
                 model, bundle, mx.array(hidden), mx.array(np.maximum(row, 0))
             )
-            want = accept_count(mx.array(clp[0, start[0] - 1]), threshold).item()
-            config = DecodeConfig(mode="clp", clp_threshold=threshold, context_drafts=False,
-                                  max_tokens=bundle.k + 2)  # fmt: skip
-            first = next(iter(decode(row[0, : start[0]].tolist(), model, bundle, config)))
-            assert len(first.tokens) - 1 == want, (noise, threshold, i)
-            seen.add(want)
+            prompt, anchor = row[0, : start[0]].tolist(), start[0] - 1
+            assert list(first_pass(prompt, mode="fixed")[1:]) == drafts[0, anchor].tolist()
+            for threshold in (None, 0.9):
+                want = accept_count(mx.array(clp[0, anchor]), threshold).item()
+                got = first_pass(prompt, mode="clp", clp_threshold=threshold)
+                assert len(got) - 1 == want, (noise, threshold, i)
+                seen.add(want)
     assert len(seen) > 1  # decisions that differ: a test that can fail

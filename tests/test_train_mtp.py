@@ -61,6 +61,8 @@ def test_the_drafter_ships_with_its_report(root, tmp_path):
     assert report["held_out"]["data"]["rows"] == data["held_out_rows"] > 0
     assert set(report["held_out"]["data"]["clp_mode"]) >= {"most_likely", "p>=0.9"}
     assert 0 < report["draft_vocab_coverage"] <= 1 and report["resumed_at_step"] == 0
+    assert main(train_argv(root, "one")) == 0  # run again: nothing to train, the report stays
+    assert json.loads((root / "one" / "drafter" / "training.json").read_text()) == report
     dest = package_heads(root / "one" / "drafter", "qwen2.5-coder-0.5b-instruct", tmp_path)
     assert {v.dtype for v in mx.load(str(dest / "heads.safetensors")).values() if v.ndim > 1} == {
         mx.float16

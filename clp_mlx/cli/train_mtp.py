@@ -80,6 +80,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     resumed = _train(trainer, out, held, args.quiet)
     seconds = round(time.perf_counter() - started, 1)
+    if resumed == cfg.steps and (out / "drafter" / "training.json").is_file():
+        print(f"already trained: the drafter is in {out / 'drafter'}", file=sys.stderr)
+        return 0  # its report keeps the run's own seconds
     words = argv if argv is not None else sys.argv[1:]
     timing = {"seconds": seconds, "resumed_at_step": resumed}
     _write_drafter(args, trainer, out / "drafter", " ".join([COMMAND, *words]), timing)

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 from ..errors import ClpError
 from .checks import real, whole
 from .heads import DESIGNS, FORMAT, HeadsConfig, MTPBundle
-from .mtp_layer import SHAPE, STYLES
+from .mtp_layer import FEED, SHAPE, STYLES
 
 MAX_K = 64  # drafts per step; the paper's heads draft 3 to 5
 MAX_LOOKUP = 32  # longest n-gram context drafts match
@@ -87,6 +87,11 @@ def _layer(value, what: str) -> dict:
     out["style"] = value.get("style", "mtp")
     if out["style"] not in STYLES:
         raise ClpError(f"{what}.style must be one of {', '.join(STYLES)}, got {out['style']!r}")
+    if out["style"] == "mtp":
+        if value.get("feed") != FEED:
+            raise ClpError(f"{what}: an MTP layer trained before its later depths read the final "
+                           "norm of its output (no feed: norm); retrain it with train_mtp")  # fmt: skip
+        out["feed"] = FEED
     if out["num_attention_heads"] % out["num_key_value_heads"]:
         raise ClpError(f"{what}: num_attention_heads must be a multiple of num_key_value_heads")
     return out

@@ -20,7 +20,7 @@ from ..errors import ClpError
 from ..paths import atomic_folder, cache_root
 from . import backbone, checks, heads_checks
 from .heads import PROBE_MIN_COSINE, Gate, HeadsConfig, MTPBundle, gate_hidden_size
-from .mtp_layer import SHAPE
+from .mtp_layer import FEED, SHAPE
 
 
 def init_heads(
@@ -55,7 +55,7 @@ def init_heads(
     )
     if design == "mtp":
         shape = {key: kind(getattr(model.args, key)) for key, kind in SHAPE.items()}
-        config.layer = layer or {**shape, "style": "mtp"}
+        config.layer = layer or {**shape, "style": "mtp", "feed": FEED}
     bundle = MTPBundle(config)
     bundle.set_dtype(_float_dtype(model))
     mx.eval(bundle.parameters())

@@ -37,6 +37,9 @@ SHAPE = {  # the block's config fields a drafter file records, and their types
 # elsewhere: fc(+bias) over the raw [hidden; embedding] (columns reordered to
 # ours at import), no norm before the attention, logits from the raw output.
 STYLES = ("mtp", "eagle")
+# What the style "mtp" layer's later depths read: "norm", FinalNorm(g) (since
+# the layer's files record it; a layer trained to read g itself has no field).
+FEED = "norm"
 
 
 def block_args(args, mlp_size: int = 0):
@@ -68,7 +71,8 @@ class MTPLayer(nn.Module):
     def shape(self) -> dict:
         """What :meth:`of_shape` needs (besides the hidden size) to make this layer again."""
         args = self.block.args
-        return {**{k: t(getattr(args, k)) for k, t in SHAPE.items()}, "style": self.style}
+        shape = {k: t(getattr(args, k)) for k, t in SHAPE.items()}
+        return {**shape, "style": self.style, **({"feed": FEED} if self.style == "mtp" else {})}
 
     def readout(self, final_norm: nn.Module, g: mx.array) -> mx.array:
         """What the output projection, and the next depth, read of an output

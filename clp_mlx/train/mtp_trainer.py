@@ -2,10 +2,10 @@
 
 Every depth's loss is a cross-entropy over the draft vocabulary against the
 backbone's greedy token, weighted ``decay ** (j - 1)`` (FastMTP's and
-EAGLE-3's depth-decayed weights); depth ``j > 1`` reads the layer's own
-feature from depth ``j - 1`` ("training-time test", :meth:`MTPLayer.unrolled`)
-and the greedy token before its target, which is the token the previous depth
-drafted whenever its draft is accepted. Batches come from a generator seeded
+EAGLE-3's depth-decayed weights); depth ``j > 1`` reads the final norm of
+the layer's own output at depth ``j - 1`` ("training-time test",
+:meth:`MTPLayer.unrolled`) and the greedy token before its target, which is
+the token the previous depth drafted whenever its draft is accepted. Batches come from a generator seeded
 by (seed, step), and the optimizer state is checkpointed with the layer, so a
 resumed run takes the same steps as an uninterrupted one.
 """
@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model import backbone
 from ..model.heads_checks import CONTEXT_NGRAM
-from ..model.mtp_layer import MTPLayer
+from ..model.mtp_layer import FEED, MTPLayer
 from .mtp_data import Rows, batch, id_map_of
 from .trainer import load_checkpoint, part, save_checkpoint
 
@@ -41,6 +41,7 @@ class MTPTrainConfig:
     seed: int = 0
     checkpoint_every: int = 25
     soft: float = 0.0  # weight of the backbone's whole distribution as the target (1 - soft: its token)
+    feed: str = FEED  # what later depths read; checkpoints of an earlier layer are not resumed
 
 
 class MTPTrainer:
