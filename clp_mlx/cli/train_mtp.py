@@ -104,32 +104,23 @@ def _write_drafter(args, trainer, folder: Path, command: str, timing: dict) -> N
 
     bundle, rows = to_bundle(trainer, args.model or ""), trainer.rows
     greedy = rows.greedy_tokens()
+    data = [store.describe(Path(d)) for d in args.data]
+    held = [d for d, about in zip(args.data, data) if about["held_out_rows"]]
     report = {
         "command": command,
-        "data": [store.describe(Path(d)) for d in args.data],
+        "data": data,
         "train_rows": len(rows),
         "train_positions": rows.positions(),
         "config": asdict(trainer.cfg),
         "draft_vocab_coverage": round(float(np.isin(greedy, trainer.vocab_ids).mean()), 4),
         **timing,  # "seconds": this run's training only
         "curve": trainer.curve(),
-        "held_out": _scores(trainer.model, bundle, args.data, args.lookup, score_folders),
+        "held_out": score_folders(trainer.model, bundle, held, args.lookup),
         "backbone_fingerprint": bundle.config.fingerprint,
     }
     save_heads(bundle, folder, force=True, extra={"curve": report["curve"]})
     plot_history(report["curve"], folder / "training.png", part="depth")
     write_text(folder / "training.json", json.dumps(report, indent=1) + "\n")
-
-
-def _scores(model, bundle, data, lookup, score_folders) -> dict:
-    """The drafter on each folder's held-out rows (a folder without any: left out)."""
-    out = {}
-    for d in data:
-        try:
-            out.update(score_folders(model, bundle, [d], lookup))
-        except ClpError:
-            pass
-    return out
 
 
 def _trainer(args, cfg: MTPTrainConfig):

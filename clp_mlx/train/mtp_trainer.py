@@ -5,9 +5,10 @@ backbone's greedy token, weighted ``decay ** (j - 1)`` (FastMTP's and
 EAGLE-3's depth-decayed weights); depth ``j > 1`` reads the final norm of
 the layer's own output at depth ``j - 1`` ("training-time test",
 :meth:`MTPLayer.unrolled`) and the greedy token before its target, which is
-the token the previous depth drafted whenever its draft is accepted. Batches come from a generator seeded
-by (seed, step), and the optimizer state is checkpointed with the layer, so a
-resumed run takes the same steps as an uninterrupted one.
+the token the previous depth drafted whenever its draft is accepted. Batches
+come from a generator seeded by (seed, step), and the optimizer state is
+checkpointed with the layer, so a resumed run takes the same steps as an
+uninterrupted one.
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def describe(out: Path) -> dict:
     sources = manifest.get("sources", {})
     about = {
         "folder": out.name,
-        "model": sources.get("model"),
+        "model": Path(sources["model"]).name if sources.get("model") else None,
         "data": [Path(d).name for d in sources.get("data") or []],
         "settings": manifest.get("settings"),
     }
