@@ -70,7 +70,9 @@ BAD_FIELDS = [
     ("gate_hidden", 5), ("head0", "yes"), ("head0", False), ("draft_vocab", 10**9),
     ("draft_vocab", 3), ("draft_vocab", -2), ("draft_vocab", 0), ("lookup", 10**6), ("lookup", 2),
     ("lookup", 0), ("lookup", 1.5), ("clp_norm", 1), ("tree_branches", 0), ("tree_branches", "5"),
-    ("backbone", {}), ("format", "other"), ("version", "1"),
+    ("backbone", {}), ("format", "other"), ("version", "1"), ("temperatures", "1"),
+    ("temperatures", [0.0]), ("temperatures", [1e9]), ("temperatures", [True]),
+    ("temperatures", [1.0] * 50),
 ]  # fmt: skip
 
 

@@ -72,8 +72,10 @@ def main(argv=None) -> int:
 
         if not trainer.restore(out):
             raise ClpError(f"no checkpoint of these flags in {out}")
+        bundle = to_bundle(trainer)
         report = {"step": trainer.step, "config": asdict(cfg)}
-        report.update(score_folders(trainer.model, to_bundle(trainer), args.data, args.lookup))
+        report["calibration"] = _calibrate(trainer, bundle, args.data)
+        report.update(score_folders(trainer.model, bundle, args.data, args.lookup))
         print(json.dumps(report, indent=1))
         return 0
     held = _held_rows(trainer, args.data)
@@ -106,6 +108,7 @@ def _write_drafter(args, trainer, folder: Path, command: str, timing: dict) -> N
     greedy = rows.greedy_tokens()
     data = [store.describe(Path(d)) for d in args.data]
     held = [d for d, about in zip(args.data, data) if about["held_out_rows"]]
+    calibration = _calibrate(trainer, bundle, held)
     report = {
         "command": command,
         "data": data,
@@ -115,12 +118,22 @@ def _write_drafter(args, trainer, folder: Path, command: str, timing: dict) -> N
         "draft_vocab_coverage": round(float(np.isin(greedy, trainer.vocab_ids).mean()), 4),
         **timing,  # "seconds": this run's training only
         "curve": trainer.curve(),
+        "calibration": calibration,
         "held_out": score_folders(trainer.model, bundle, held, args.lookup),
         "backbone_fingerprint": bundle.config.fingerprint,
     }
     save_heads(bundle, folder, force=True, extra={"curve": report["curve"]})
     plot_history(report["curve"], folder / "training.png", part="depth")
     write_text(folder / "training.json", json.dumps(report, indent=1) + "\n")
+
+
+def _calibrate(trainer, bundle, dirs: list) -> dict:
+    """Fit ``bundle``'s temperatures on the held-out rows of ``dirs``
+    (train/calibrate.py); {} where they hold none."""
+    from ..train.calibrate import calibrate
+
+    rows = _held_rows(trainer, dirs)
+    return calibrate(trainer.model, bundle, rows) if len(rows) else {}
 
 
 def _trainer(args, cfg: MTPTrainConfig):

@@ -11,7 +11,7 @@ are attention keys for the later depths only, and never enter the cache
 
 Its scores for the feed decision are its own: the chance of a run of ``n``
 accepted drafts, from each draft's probability under the layer (over the
-draft vocabulary), until a CLP is trained on top of it.
+draft vocabulary, at the depth's calibrated temperature: train/calibrate.py).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class MTPDrafter:
         """Greedy drafts after ``last`` through the layer's depths, and the
         probability the layer gave each (over the draft vocabulary)."""
         past, tokens, probs, prev = self.past, [], [], mx.array([last])
+        temps = temperatures(self.bundle)
         out = self.layer.readout(self.model.model.norm, g[0])
         for depth in range(self.k):
             if depth:  # the next depth reads what the projection read
@@ -79,7 +80,7 @@ class MTPDrafter:
                 out = self.layer.readout(self.model.model.norm, g[0])
             scores, ids = self.bundle._draft_scores(self.model, out)
             best = mx.argmax(scores, axis=-1)
-            probs.append(mx.softmax(scores.astype(mx.float32), axis=-1)[0, best[0]])
+            probs.append(draft_chance(scores[0], temps[depth]))
             prev = best if ids is None else ids[best]
             tokens.append(prev[0])
         return mx.stack(tokens), mx.stack(probs)
@@ -95,6 +96,18 @@ class MTPDrafter:
 
     def draft(self, h, b, sampler=None):
         raise NotImplementedError("the MTP layer drafts after the pass (in_pass is False)")
+
+
+def temperatures(bundle) -> list[float]:
+    """Per depth, the temperature of the layer's chances (1.0: as trained)."""
+    return bundle.config.temperatures or [1.0] * bundle.k
+
+
+def draft_chance(scores: mx.array, temperature: float = 1.0) -> mx.array:
+    """The chance the layer gives its draft, the best of ``scores`` (last
+    axis), at ``temperature``: the same draft, a calibrated confidence."""
+    s = scores.astype(mx.float32) / temperature
+    return mx.exp(mx.max(s, axis=-1) - mx.logsumexp(s, axis=-1))
 
 
 def run_scores(probs: mx.array) -> mx.array:

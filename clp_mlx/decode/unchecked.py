@@ -13,7 +13,7 @@ wherever the drafts are wrong, at any temperature.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import mlx.core as mx
 
@@ -56,9 +56,11 @@ def unchecked(model, heads, drafter, first, cache, config, sampler) -> Iterator[
         if d is not None:
             drafts = d.tolist()
             drafter.extend([b])
-        else:  # drafted after the pass: CLP's scores decide first
+        else:  # drafted after the pass: its scores are CLP's (fixed and gate decided already)
             scores = drafter.observe([b], got)
-            n = min(accept_count(mx.array(scores), config.clp_threshold).item(), config.draft_len)
+            if config.mode in ("clp", "prior-mtp"):
+                n = accept_count(mx.array(scores), config.clp_threshold).item()
+                n = min(n, config.draft_len)
             drafts = drafter.candidates(drafter.k, 1)[0] if n else []
         n = min(n, budget - produced - 1)
         committed = [b] + drafts[:n]

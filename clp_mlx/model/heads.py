@@ -130,6 +130,9 @@ class HeadsConfig:
     tree_branches: int = 5  # verify trees: head 1's best tokens a tree holds (1: a chain)
     backbone: str = ""  # a name for people; matching uses the fields above
     layer: dict = field(default_factory=dict)  # "mtp": the decoder layer's shape (mtp_layer)
+    # "mtp": per depth, the temperature that calibrates the layer's chance of
+    # its draft (fitted on held-out rows: train/calibrate.py); empty: 1.0
+    temperatures: list = field(default_factory=list)
     format: str = FORMAT
     version: int = 1
 

@@ -97,6 +97,15 @@ def _layer(value, what: str) -> dict:
     return out
 
 
+def _temperatures(value, what: str) -> list:
+    if not isinstance(value, list):
+        raise ClpError(f"{what} must be a list of numbers")
+    out = [real(v, f"{what}[{i}]") for i, v in enumerate(value)]
+    if any(not 0.01 <= t <= 100 for t in out):
+        raise ClpError(f"{what} must each be in [0.01, 100], got {value!r}")
+    return out
+
+
 FIELDS = {  # heads.json field -> its check
     "k": lambda v, w: whole(v, w, 1, MAX_K),
     "design": _design,
@@ -115,6 +124,7 @@ FIELDS = {  # heads.json field -> its check
     "format": _text,
     "version": lambda v, w: whole(v, w, 1),
     "layer": _layer,
+    "temperatures": _temperatures,
 }
 
 
@@ -126,6 +136,8 @@ def config_from_meta(meta: dict, where: Path) -> HeadsConfig:
     config = HeadsConfig(**values)
     if (config.design == "mtp") != bool(config.layer):
         raise ClpError(f"{where}: the design mtp, and only it, needs the field layer; {FIX}")
+    if config.temperatures and len(config.temperatures) != config.k:
+        raise ClpError(f"{where}: temperatures must give one per depth (k = {config.k}); {FIX}")
     if config.design == "mtp" and config.hidden_size % config.layer["num_attention_heads"]:
         raise ClpError(f"{where}: hidden_size is not a multiple of layer.num_attention_heads")
     return config

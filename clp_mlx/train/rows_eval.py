@@ -18,29 +18,30 @@ import mlx.core as mx
 import numpy as np
 
 from ..decode.lookup import row_drafts
-from ..decode.mtp_drafter import run_scores
+from ..decode.mtp_drafter import draft_chance, run_scores, temperatures
 from ..model import backbone
 from ..model.heads import accept_count
 from .mtp_data import Rows
 from .trainer import walked_tokens_per_pass
 
 
-def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array):
+def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array, seen: list | None = None):
     """Drafts (B, L, k) at every anchor of ``hidden`` (B, L, d), and CLP's
     scores (B, L, k + 1) over accepting 0..k of them; ``tokens``
     (B, >= L + k + 1) are the rows' tokens. The MTP layer's CLP is its own
     chance of each run (:func:`run_scores`), from each depth's probability
-    of its draft."""
+    of its draft; ``seen`` (a list) gets each depth's scores (B, L, V')."""
     k, (rows, length, width) = bundle.k, hidden.shape
     if bundle.config.design == "mtp":
-        layer, ids, probs = bundle.mtp, [], []
+        layer, ids, probs, temps = bundle.mtp, [], [], temperatures(bundle)
 
         def read(g):  # a depth's draft, and the layer's probability of it
             scores, vocab = bundle._draft_scores(model, layer.readout(model.model.norm, g))
-            scores = scores.astype(mx.float32)
+            if seen is not None:
+                seen.append(scores.astype(mx.float32))
             best = mx.argmax(scores, axis=-1)
             ids.append(best if vocab is None else vocab[best])
-            probs.append(mx.exp(mx.max(scores, axis=-1) - mx.logsumexp(scores, axis=-1)))
+            probs.append(draft_chance(scores, temps[len(probs)]))
             return backbone.embed(model, ids[-1].astype(mx.uint32))
 
         first = lambda j: backbone.embed(model, tokens[:, 1 : 1 + length])
