@@ -312,12 +312,30 @@ def test_verify_feeding_by_cost_is_still_exact(monkeypatch):
     assert stats.accepted[3] == 0 < stats.accepted[2]  # a 4-token pass never paid off
 
 
-def test_pass_costs_are_measured_once_per_setup(model, tmp_path):
-    import clp_mlx.decode.feed as feed
+def test_pass_costs_are_measured_once_per_setup(model, monkeypatch):
+    from clp_mlx.decode import feed
 
     costs = feed.pass_costs(model, 3, context=8, repeats=1)
     assert len(costs) == 3 and all(c > 0 for c in costs)
     assert feed.pass_costs(model, 2) == costs[:2]  # remembered, not measured again
     feed.forget_measured()  # a new process: the file in the model cache answers
-    assert feed.pass_costs(model, 3) == costs
+    monkeypatch.setattr(feed, "one_pass_now", lambda model: costs[0] / feed.STALE)
+    assert feed.pass_costs(model, 3) == costs  # as slow as a pass now may be: kept
     assert list(json.loads(feed._costs_file().read_text()).values()) == [costs]
+
+
+def test_pass_costs_measured_under_load_are_measured_again(model, monkeypatch):
+    """Stored costs whose 1-token pass is far slower than one now (another
+    job held the cores) are replaced by a new measurement."""
+    from clp_mlx.decode import feed
+
+    slow = [5.0, 5.1, 5.2]
+    feed._write_costs({feed._setup_key(model): slow})
+    monkeypatch.setattr(feed, "one_pass_now", lambda model: 1.0)  # 5x faster than stored
+    times = lambda model, n, context, repeats: [[0.5 + i, 0.4 + i] for i in range(n)]
+    monkeypatch.setattr(feed, "_times", times)
+    assert feed.pass_costs(model, 3) == [0.4, 1.4, 2.4]  # the fastest of the repeats
+    assert list(json.loads(feed._costs_file().read_text()).values()) == [[0.4, 1.4, 2.4]]
+    feed.forget_measured()
+    monkeypatch.setattr(feed, "one_pass_now", lambda model: 0.3)  # stored 0.4: within STALE
+    assert feed.pass_costs(model, 3) == [0.4, 1.4, 2.4]

@@ -62,9 +62,10 @@ class MTPDrafter:
         self.unplaced = seq[-1:]
         g = self._append(got.fed[: len(seq) - 1], mx.array(seq[1:]))
         tokens, probs = self._draft(g, committed[-1])
-        mx.eval(tokens, probs, *self.past)
+        scores = run_scores(probs)
+        mx.eval(tokens, scores, *self.past)  # one evaluation for the whole drafting
         self._drafts = tokens.tolist()
-        return run_scores(probs).tolist()
+        return scores.tolist()
 
     def _draft(self, g: mx.array, last: int):
         """Greedy drafts after ``last`` through the layer's depths, and the
