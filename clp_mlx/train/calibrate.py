@@ -55,7 +55,7 @@ def fit_temperatures(model, bundle, rows: Rows, batch_rows: int = 8) -> dict:
     for j in range(k):
         y = np.concatenate([a for a, _ in seen_at[j]])
         lp = np.concatenate([b for _, b in seen_at[j]], axis=-1)
-        best = int(np.argmin(loss[j]))
+        best = int(np.argmin(loss[j])) if y.size else one  # no case: as trained
         report[f"t+{j + 2}"] = {
             "temperature": GRID[best],
             "cases": int(y.size),
