@@ -182,6 +182,7 @@ def test_unchecked_decoding_drafts_and_decides_as_the_scorer(root, trained):
         return next(iter(decode(prompt, model, bundle, config))).tokens
 
     model, _, bundle = load_with_drafter(root / "tiny", trained)
+    bundle.config.temperatures = [0.7, 2.5]  # distinct: each depth must read its own
     rows, seen = Rows.of([root / "data"], heldout=True), set()
     for noise in (0.0, 0.3):
         mx.random.seed(5)

@@ -98,11 +98,12 @@ def _layer(value, what: str) -> dict:
 
 
 def _temperatures(value, what: str) -> list:
-    if not isinstance(value, list):
-        raise ClpError(f"{what} must be a list of numbers")
+    if not isinstance(value, list) or len(value) > MAX_K:
+        raise ClpError(f"{what} must be a list of at most {MAX_K} numbers")
     out = [real(v, f"{what}[{i}]") for i, v in enumerate(value)]
-    if any(not 0.01 <= t <= 100 for t in out):
-        raise ClpError(f"{what} must each be in [0.01, 100], got {value!r}")
+    for i, t in enumerate(out):
+        if not 0.01 <= t <= 100:
+            raise ClpError(f"{what}[{i}] must be in [0.01, 100], got {t}")
     return out
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from .mtp_data import Rows
 from .rows_eval import chain_drafts
 
+MIN_CASES = 30  # fewer cases at a depth: keep its temperature at 1
 GRID = tuple(round(1.15**i, 4) for i in range(-3, 23))  # 0.66 .. 21.6, with 1.0
 
 
@@ -41,6 +42,7 @@ def fit_temperatures(model, bundle, rows: Rows, batch_rows: int = 8) -> dict:
         at = np.arange(rows.length)[None, :, None] + np.arange(2, k + 2)[None, None]
         target = tokens[:, np.minimum(at[0], tokens.shape[1] - 1)]
         inside = (at < ends[:, None, None]) & (at >= starts[:, None, None])
+        inside &= at[..., :1] >= starts[:, None, None] + 1  # anchors decoding drafts at
         right = drafts == target
         before = np.concatenate([np.ones_like(right[..., :1]), right[..., :-1]], -1)
         earlier = np.cumprod(before, -1)  # the drafts before each one are right
@@ -55,7 +57,7 @@ def fit_temperatures(model, bundle, rows: Rows, batch_rows: int = 8) -> dict:
     for j in range(k):
         y = np.concatenate([a for a, _ in seen_at[j]])
         lp = np.concatenate([b for _, b in seen_at[j]], axis=-1)
-        best = int(np.argmin(loss[j])) if y.size else one  # no case: as trained
+        best = int(np.argmin(loss[j])) if y.size >= MIN_CASES else one  # too few: as trained
         report[f"t+{j + 2}"] = {
             "temperature": GRID[best],
             "cases": int(y.size),
