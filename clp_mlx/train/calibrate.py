@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from .mtp_data import Rows
-from .rows_eval import chain_drafts
+from .rows_eval import chain_drafts, targets
 
 MIN_CASES = 30  # fewer cases at a depth: keep its temperature at 1
 GRID = tuple(round(1.15**i, 4) for i in range(-3, 23))  # 0.66 .. 21.6, with 1.0
@@ -39,10 +39,9 @@ def fit_temperatures(model, bundle, rows: Rows, batch_rows: int = 8) -> dict:
         drafts, _ = chain_drafts(
             model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)), seen
         )
-        at = np.arange(rows.length)[None, :, None] + np.arange(2, k + 2)[None, None]
-        target = tokens[:, np.minimum(at[0], tokens.shape[1] - 1)]
-        inside = (at < ends[:, None, None]) & (at >= starts[:, None, None])
-        inside &= at[..., :1] >= starts[:, None, None] + 1  # anchors decoding drafts at
+        target, inside = targets(tokens, starts, ends, rows.length, k)
+        drafted_at = np.arange(rows.length)[None, :, None] >= starts[:, None, None] - 1
+        inside &= drafted_at  # the anchors decoding drafts at: from the prompt's last token
         right = drafts == target
         before = np.concatenate([np.ones_like(right[..., :1]), right[..., :-1]], -1)
         earlier = np.cumprod(before, -1)  # the drafts before each one are right

@@ -54,6 +54,15 @@ def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array, seen: list |
     return np.array(drafts).reshape(rows, length, k), np.array(clp).reshape(rows, length, k + 1)
 
 
+def targets(tokens: np.ndarray, starts, ends, length: int, k: int):
+    """For every anchor ``s < length`` and depth: the token its draft of
+    ``x_{s+2} .. x_{s+1+k}`` should be (B, L, k), and whether that token is
+    a greedy one (inside the row's continuation)."""
+    at = np.arange(length)[None, :, None] + np.arange(2, k + 2)[None, None]
+    target = tokens[:, np.minimum(at[0], tokens.shape[1] - 1)]
+    return target, (at < ends[:, None, None]) & (at >= starts[:, None, None])
+
+
 def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 8) -> dict:
     """The report on ``rows``: per depth, how often the draft is right alone
     and with the ones before it, and chain verify's tokens per pass walking
@@ -70,9 +79,7 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
         hidden, tokens, starts, ends = rows.gather(idx, k)
         drafts, clp = chain_drafts(model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
         counts = {t: np.array(accept_count(mx.array(clp), t)) for t in THRESHOLDS}
-        at = np.arange(rows.length)[None, :, None] + np.arange(2, k + 2)[None, None]
-        target = tokens[:, np.minimum(at[0], tokens.shape[1] - 1)]  # (B, L, k)
-        inside = (at < ends[:, None, None]) & (at >= starts[:, None, None])
+        target, inside = targets(tokens, starts, ends, rows.length, k)
         right = (drafts == target) & inside
         runs = np.cumprod(right, axis=-1).sum(-1)  # (B, L)
         if lookup:
