@@ -24,7 +24,19 @@ from ..train.mtp_trainer import MTPTrainConfig
 from .args import parser, run
 
 COMMAND = "python -m clp_mlx.cli.train_mtp"
-FLAGS = ("depths", "mlp_size", "steps", "batch", "lr", "warmup", "decay", "draft_vocab", "seed", "soft")
+HELP = {
+    "depths": "drafts a pass at most: depths trained, each reading the one before",
+    "mlp_size": "the layer's MLP width (0: the backbone's)",
+    "steps": "optimizer steps (cosine decay to lr/10 after the warm-up)",
+    "batch": "whole rows a step",
+    "lr": "peak learning rate (AdamW)",
+    "warmup": "steps of linear warm-up",
+    "decay": "loss weight of depth j is decay ** (j - 1)",
+    "draft_vocab": "the draft vocabulary: the most frequent greedy tokens of --data",
+    "seed": "row order and initial weights",
+    "soft": "weight of the backbone's whole distribution as the target (1 - soft: its token)",
+}
+FLAGS = tuple(HELP)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -35,9 +47,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", action="store_true", help="score --out on the held-out rows")
     defaults = MTPTrainConfig()
     for name in FLAGS:
-        p.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)),
-                       default=getattr(defaults, name))  # fmt: skip
-    p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
+        value = getattr(defaults, name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
+                       help=f"{HELP[name]} (default {value})")  # fmt: skip
+    p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
+                   help=f"steps between checkpoints (default {defaults.checkpoint_every})")  # fmt: skip
     p.add_argument(
         "--lookup",
         type=int,
