@@ -4,9 +4,9 @@
  * OpenBLAS 0.3.21 runs those through its blocked GEMM (packing the weight on
  * every call) at 5-8 GB/s of weight read on a machine that streams memory at
  * 20-27 GB/s. Here every output is a dot product of an activation row with a
- * weight row, in tiles of one or two rows against four weight rows or four
- * rows against two, the weight rows split between threads: one pass over the
- * weight, near memory speed.
+ * weight row, in tiles of one or two rows against four weight rows, the
+ * weight rows split between threads: one pass over the weight, near memory
+ * speed.
  *
  * Every output it computes is summed in the same order whatever the number of
  * rows, the tile it falls in or the thread that computes it, so a row's result
@@ -72,7 +72,7 @@ static void finish(const v8 *c, const float **a, int rows, const float **w, int 
         }
 }
 
-/* Tiles of rows x weight rows: 1 x 4, 2 x 4 and 4 x 2 (s as in finish). */
+/* Tiles of rows x weight rows: 1 x 4 and 2 x 4 (s as in finish). */
 static void tile_1x4(const float **a, const float **w, int K, float *s) {
     const float *a0 = a[0], *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
     v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
@@ -99,23 +99,11 @@ static void tile_2x4(const float **a, const float **w, int K, float *s) {
     finish(c, a, 2, w, 4, k, K, s);
 }
 
-static void tile_4x2(const float **a, const float **w, int K, float *s) {
-    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *w0 = w[0], *w1 = w[1];
-    v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0}, c30 = {0}, c31 = {0};
-    int k = 0;
-    for (; k + 8 <= K; k += 8) {
-        v8 y0 = load(w0 + k), y1 = load(w1 + k);
-        v8 x0 = load(a0 + k), x1 = load(a1 + k), x2 = load(a2 + k), x3 = load(a3 + k);
-        c00 += x0 * y0, c01 += x0 * y1, c10 += x1 * y0, c11 += x1 * y1;
-        c20 += x2 * y0, c21 += x2 * y1, c30 += x3 * y0, c31 += x3 * y1;
-    }
-    v8 c[8] = {c00, c01, c10, c11, c20, c21, c30, c31};
-    finish(c, a, 4, w, 2, k, K, s);
-}
-
 /* C = alpha A B^T + beta C, B stored N x K (a weight; attention keys): blocks of
- * four weight rows (the last one repeated at the end), rows of A by fours, then
- * a pair, then one. */
+ * four weight rows (the last one repeated at the end), rows of A by pairs, then
+ * one; a block's weight rows stay in L1 for the pairs after the first. (Four
+ * rows against two weight rows, tried, cost 20% more at four rows: the weight
+ * stream stalled behind the arithmetic.) */
 static void a_bt(int M, int N, int K, float alpha, const float *A, int lda, const float *B,
                  int ldb, float beta, float *C, int ldc) {
     int blocks = (N + 3) / 4;
@@ -125,19 +113,10 @@ static void a_bt(int M, int N, int K, float alpha, const float *A, int lda, cons
         const float *w[4];
         for (int j = 0; j < 4; j++) w[j] = B + (size_t)(n + (j < nr ? j : nr - 1)) * ldb;
         for (int m = 0, rows; m < M; m += rows) {
-            rows = M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
-            const float *a[4];
-            for (int i = 0; i < rows; i++) a[i] = A + (size_t)(m + i) * lda;
-            float s[4][4];
-            if (rows == 4) {
-                float half[8];
-                for (int h = 0; h < 2; h++) {
-                    tile_4x2(a, w + 2 * h, K, half);
-                    for (int i = 0; i < 4; i++) s[i][2 * h] = half[2 * i], s[i][2 * h + 1] = half[2 * i + 1];
-                }
-            } else {
-                (rows == 2 ? tile_2x4 : tile_1x4)(a, w, K, &s[0][0]);
-            }
+            rows = M - m >= 2 ? 2 : 1;
+            const float *a[2] = {A + (size_t)m * lda, A + (size_t)(m + rows - 1) * lda};
+            float s[2][4];
+            (rows == 2 ? tile_2x4 : tile_1x4)(a, w, K, &s[0][0]);
             for (int i = 0; i < rows; i++)
                 for (int j = 0; j < nr; j++)
                     store(C + (size_t)(m + i) * ldc + n + j, s[i][j], alpha, beta);
