@@ -339,3 +339,18 @@ def test_pass_costs_measured_under_load_are_measured_again(model, monkeypatch):
     feed.forget_measured()
     monkeypatch.setattr(feed, "one_pass_now", lambda model: 0.3)  # stored 0.4: within STALE
     assert feed.pass_costs(model, 3) == [0.4, 1.4, 2.4]
+
+
+def test_pass_costs_of_another_kernel_version_are_not_reused(model, monkeypatch):
+    """Times taken with an earlier few-row kernel do not decide the feed of a
+    faster one: the kernel's source is part of the setup's key."""
+    from clp_mlx.decode import feed
+    from clp_mlx.native import NativeStatus
+
+    monkeypatch.setattr(feed, "native_status", lambda: NativeStatus("openblas", True, "on"))
+    monkeypatch.setattr(feed, "source_key", lambda: "aaaa")
+    old = feed._setup_key(model)
+    monkeypatch.setattr(feed, "source_key", lambda: "bbbb")
+    assert feed._setup_key(model) != old
+    monkeypatch.setattr(feed, "source_key", lambda: "aaaa")
+    assert feed._setup_key(model) == old

@@ -30,6 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..model.backbone import hidden_states, project, quantization, signature
 from ..native import status as native_status
+from ..native.few_rows import source_key
 from ..native.padrows import is_padded
 from ..paths import cache_root, write_text
 
@@ -48,12 +49,13 @@ def _costs_file() -> Path:
 
 def _setup_key(model) -> str:
     """What pass times depend on: the backbone's weights and shape, dtype,
-    quantization (its copies share the weights' fingerprint), device, BLAS."""
+    quantization (its copies share the weights' fingerprint), device, BLAS
+    and the few-row kernel's version."""
     sig = signature(model)
     native = native_status()
     # CLP_MLX_BLAS names the setup even when it failed to load: keys on disk stay as they were.
     blas = os.environ.get("CLP_MLX_BLAS") or ("openblas" if native.loaded else "default")
-    blas += "+few_rows" if native.few_rows else ""
+    blas += f"+few_rows-{source_key()}" if native.few_rows else ""
     blas += "+pad16" if is_padded(model) else ""
     dtype = str(model.model.norm.weight.dtype)
     dtype += f" {quantization(model)}" if quantization(model) else ""  # float keys as before

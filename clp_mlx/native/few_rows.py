@@ -37,6 +37,12 @@ class Untrusted(OSError):
     """A library or folder that someone else could have written."""
 
 
+def source_key() -> str:
+    """A short fingerprint of the kernel's source: times measured with another
+    version of it (decode/feed.py's pass costs) are not this one's."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
+
+
 def _cpu() -> str:
     """The CPU's model and flags: the library is built for the CPU it runs on."""
     try:
