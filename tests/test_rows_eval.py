@@ -110,6 +110,22 @@ def test_wrong_drafts_walk_one_token_and_copies_help(monkeypatch):
     assert report["clp_mode"]["p>=0.9"] == {"tokens_per_pass": 2.0, "wrong_commit_share": 1.0}
 
 
+def test_the_early_walk_reads_only_a_rows_first_tokens(monkeypatch):
+    """Drafts right only from the 33rd token on: the whole row walks faster,
+    its first 32 tokens one token a pass."""
+
+    def late(model, bundle, hidden, tokens):
+        drafts, _ = oracle(model, bundle, hidden, tokens)
+        drafts[:, : 4 + rows_eval.EARLY - 1] = 99  # anchors before the 33rd token
+        return drafts, sure_of(3, drafts.shape[:2])
+
+    monkeypatch.setattr(rows_eval, "chain_drafts", late)
+    report = rows_eval.evaluate_rows(None, Stub, Known([list(range(10, 74))]), lookup=1)
+    assert report["walked_tokens_per_pass_first_32"] == 1.0
+    assert report["walked_tokens_per_pass"] > 1.5
+    assert report["walked_with_copies_first_32"] == 1.0  # nothing repeats: no copies
+
+
 def test_second_depth_right_only_after_the_first(monkeypatch):
     def half(model, bundle, hidden, tokens):
         drafts, _ = oracle(model, bundle, hidden, tokens)

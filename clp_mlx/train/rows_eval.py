@@ -66,7 +66,8 @@ def targets(tokens: np.ndarray, starts, ends, length: int, k: int):
 def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 8) -> dict:
     """The report on ``rows``: per depth, how often the draft is right alone
     and with the ones before it, and chain verify's tokens per pass walking
-    every row as decoding does (with ``lookup``: also with context copies
+    every row as decoding does, and its first ``EARLY`` tokens alone (with
+    ``lookup``: also with context copies
     where the context has a match, as verify drafts: ``CopyThenHeads``,
     ``CopiesFirst``); and clp mode's tokens a pass and share of passes that
     commit a wrong draft, at CLP's most likely run and at thresholds."""
@@ -108,14 +109,19 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
             f"t+{j + 2}": round(a / max(b, 1e-9), 4)
             for j, (a, b) in enumerate(zip(accepted, [1.0, *accepted]))
         },
-        "walked_tokens_per_pass": round(walked_tokens_per_pass(walks["drafter"]), 3),
     }
-    if lookup:
-        out["walked_with_copies"] = round(walked_tokens_per_pass(walks["with_copies"]), 3)
+    for name, runs in walks.items():
+        if name == "drafter" or lookup:
+            key = "walked_tokens_per_pass" if name == "drafter" else "walked_with_copies"
+            out[key] = round(walked_tokens_per_pass(runs), 3)
+            out[f"{key}_first_{EARLY}"] = round(walked_tokens_per_pass([r[:EARLY] for r in runs]), 3)
     out["clp_mode"] = {_name(t): _unchecked(np.concatenate(n), run) for t, n in decided.items()}
     return out
 
 
+# The first tokens after a prompt are the hardest to draft (docs/RESULTS.md): the
+# walk over a row's first EARLY alone is what a short answer (the bench's) sees.
+EARLY = 32
 THRESHOLDS = (None, 0.7, 0.8, 0.9)  # CLP's most likely run, or the longest this likely
 
 
