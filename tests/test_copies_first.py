@@ -25,9 +25,10 @@ class Inner:
     def __init__(self):
         self.seen, self.asked = [], 0
 
-    def observe(self, committed, got):
+    def observe(self, committed, got, draft=True):
         self.seen += committed
-        return [-1.0, -2.0, -3.0, -4.0]
+        self.drafted = draft
+        return [-1.0, -2.0, -3.0, -4.0] if draft else []
 
     def candidates(self, depth, count):
         self.asked += 1
@@ -46,8 +47,10 @@ def test_copies_where_the_context_matches_the_inner_drafter_elsewhere():
     got = PassDrafts(None, None, None)
     scores = drafter.observe([9], got)  # no earlier 9: no match
     assert scores == [-1.0, -2.0, -3.0, -4.0] and drafter.candidates(3, 1) == [[7, 7, 7]]
+    assert inner.drafted
     drafter.observe([1, 2], got)  # "1 2" came before, followed by 3 and later by 9
     assert drafter.candidates(3, 1)[0][0] in (3, 9) and inner.asked == 1  # a copy, not asked
+    assert not inner.drafted  # it only followed: its drafts would go unused
     drafter.extend([5])
     assert inner.seen == [9, 1, 2, 5]  # every committed token reaches the inner drafter
 
@@ -74,6 +77,15 @@ def test_verify_with_copies_and_the_layer_stays_greedy(setup):
     fast = list(decode_pairs(prompt, model, bundle, max_tokens=40, mode="verify"))
     assert [t for t, _ in fast] == plain
     assert any(d for _, d in fast)  # drafts were accepted: the repeats were copied
+    # Where a copy is drafted the layer's cache follows, and it drafts nothing.
+    calls = []
+    real = MTPDrafter.observe
+    try:
+        MTPDrafter.observe = lambda self, c, g, draft=True: calls.append(draft) or real(self, c, g, draft)
+        again = [t for t, _ in decode_pairs(prompt, model, bundle, max_tokens=40, mode="verify")]
+    finally:
+        MTPDrafter.observe = real
+    assert again == plain and calls and not any(calls)  # every step copied: the layer only followed
     alone = replace(api.decode_config(max_tokens=4), context_drafts=False).resolve(model, bundle)
     assert isinstance(make_drafter(model, bundle, alone, []), MTPDrafter)
 

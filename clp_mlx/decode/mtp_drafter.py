@@ -55,12 +55,18 @@ class MTPDrafter:
     def extend(self, tokens) -> None:
         self.unplaced += list(tokens)  # committed without a check (the unchecked modes)
 
-    def observe(self, committed, got: PassDrafts) -> list[float]:
+    def observe(self, committed, got: PassDrafts, draft: bool = True) -> list[float]:
         """The pass fed the unplaced tokens first (then drafts it may have
-        refused): their rows enter the cache, each with the token after it."""
+        refused): their rows enter the cache, each with the token after it.
+        ``draft=False``: only that, for a step that drafts from elsewhere
+        (context copies): the depths and their projections are skipped."""
         seq = self.unplaced + list(committed)
         self.unplaced = seq[-1:]
         g = self._append(got.fed[: len(seq) - 1], mx.array(seq[1:]))
+        if not draft:
+            mx.eval(*self.past)
+            self._drafts = []
+            return []
         tokens, probs = self._draft(g, committed[-1])
         scores = run_scores(probs)
         mx.eval(tokens, scores, *self.past)  # one evaluation for the whole drafting
