@@ -240,6 +240,7 @@ def test_the_data_script_without_arguments_is_one_usage_line():
     script = Path(__file__).parents[1] / "examples" / "distill_all.sh"
     got = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert got.returncode != 0 and got.stdout == ""
-    assert got.stderr.count("\n") == 1 and "usage: distill_all.sh WIKITEXT_DIR OUT_ROOT" in got.stderr
+    assert got.stderr.count("\n") == 1
+    assert "usage: distill_all.sh WIKITEXT_DIR OUT_ROOT" in got.stderr
     got = subprocess.run(["bash", str(script), "w", "o", "7b"], capture_output=True, text=True)
     assert got.returncode == 2 and got.stderr.count("\n") == 1 and "not '7b'" in got.stderr

@@ -78,10 +78,14 @@ def test_verify_with_copies_and_the_layer_stays_greedy(setup):
     assert [t for t, _ in fast] == plain
     assert any(d for _, d in fast)  # drafts were accepted: the repeats were copied
     # Where a copy is drafted the layer's cache follows, and it drafts nothing.
-    calls = []
-    real = MTPDrafter.observe
+    calls, real = [], MTPDrafter.observe
+
+    def observe(self, committed, got, draft=True):
+        calls.append(draft)
+        return real(self, committed, got, draft)
+
     try:
-        MTPDrafter.observe = lambda self, c, g, draft=True: calls.append(draft) or real(self, c, g, draft)
+        MTPDrafter.observe = observe
         again = [t for t, _ in decode_pairs(prompt, model, bundle, max_tokens=40, mode="verify")]
     finally:
         MTPDrafter.observe = real
