@@ -21,18 +21,15 @@ run() {  # run MODEL SUBDIR NEW_TOKENS PROMPTS KIND [args...]
         --prompts "$prompts" --new-tokens "$new" "${common[@]}" "$@"
 }
 
-if [ "$which" = 05b ] || [ "$which" = all ]; then
-    m=qwen2.5-coder-0.5b-instruct
-    run $m 05b/wikitext 96 3500 wikitext --data "$wiki/wiki.train.raw" --prompt-tokens 32
-    run $m 05b/wikitext-valid 96 256 wikitext --data "$wiki/wiki.valid.raw" --prompt-tokens 32 --heldout 1
-    run $m 05b/code 96 3500 code --data "$stdlib" --prompt-tokens 32
-    run $m 05b/magpie 96 3500 magpie --prompt-tokens 48
-fi
-if [ "$which" = 15b ] || [ "$which" = all ]; then
-    m=qwen2.5-coder-1.5b-instruct
-    run $m 15b/wikitext 40 3400 wikitext --data "$wiki/wiki.train.raw" --prompt-tokens 32
-    run $m 15b/wikitext-valid 40 256 wikitext --data "$wiki/wiki.valid.raw" --prompt-tokens 32 --heldout 1
-    run $m 15b/code 40 3400 code --data "$stdlib" --prompt-tokens 32
-    run $m 15b/magpie 40 3400 magpie --prompt-tokens 32
-fi
+plan() {  # plan MODEL SUBDIR NEW_TOKENS PROMPTS MAGPIE_PROMPT_TOKENS
+    local model=$1 dir=$2 new=$3 prompts=$4
+    run $model $dir/wikitext $new $prompts wikitext --data "$wiki/wiki.train.raw" --prompt-tokens 32
+    run $model $dir/wikitext-valid $new 256 wikitext --data "$wiki/wiki.valid.raw" \
+        --prompt-tokens 32 --heldout 1
+    run $model $dir/code $new $prompts code --data "$stdlib" --prompt-tokens 32
+    run $model $dir/magpie $new $prompts magpie --prompt-tokens $5
+}
+
+case $which in 05b|all) plan qwen2.5-coder-0.5b-instruct 05b 96 3500 48;; esac
+case $which in 15b|all) plan qwen2.5-coder-1.5b-instruct 15b 40 3400 32;; esac
 echo "$(date -u +%FT%TZ) done"
