@@ -7,8 +7,9 @@
 #
 # WIKITEXT_DIR holds wiki.train.raw and wiki.valid.raw; OUT_ROOT gets 05b/ and 15b/.
 set -euo pipefail
-wiki=${1:?usage: distill_all.sh WIKITEXT_DIR OUT_ROOT [05b|15b|all]}
-root=${2:?usage: distill_all.sh WIKITEXT_DIR OUT_ROOT [05b|15b|all]}
+usage="usage: distill_all.sh WIKITEXT_DIR OUT_ROOT [05b|15b|all]"
+wiki=${1:?$usage}
+root=${2:?$usage}
 which=${3:-all}
 case $which in 05b|15b|all) ;; *) echo "distill_all.sh: which models: 05b, 15b or all, not '$which'" >&2; exit 2;; esac
 stdlib=$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
