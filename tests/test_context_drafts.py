@@ -23,7 +23,7 @@ from test_sampling import (  # noqa: F401  (a fixture)
 
 from clp_mlx.decode import sampling
 from clp_mlx.decode.config import CONTEXT_K, DecodeConfig
-from clp_mlx.decode.lookup import CopyOdds
+from clp_mlx.decode.lookup import PRIOR, CopyOdds
 from clp_mlx.decode.steps import DecodeStats
 from clp_mlx.model.backbone import hidden_states
 from clp_mlx.model.heads_files import find_heads, save_heads
@@ -65,13 +65,15 @@ def test_copies_are_accepted_where_the_output_repeats():
 def test_copy_odds_learn_how_far_copies_run():
     odds = CopyOdds(3)
     assert odds.scores(0) == [0.0, -math.inf, -math.inf, -math.inf]  # no match: feed nothing
-    even = np.exp(odds.scores(2))
-    assert np.allclose(even, [0.5, 0.25, 0.125, 0.125])
+    first, later = PRIOR[2]
+    prior = np.exp(odds.scores(2))  # before any copy is checked: the prior's odds
+    assert np.allclose(prior[0], 1 - first) and np.allclose(prior[3], first * later**2)
+    assert np.exp(odds.scores(3))[3] > prior[3] > np.exp(odds.scores(1))[3]  # longer: runs on
     for _ in range(20):
-        odds.learn(2, fed=3, accepted=3)
-        odds.learn(1, fed=3, accepted=0)
-    assert np.exp(odds.scores(2))[3] > 0.8 and np.exp(odds.scores(1))[0] > 0.9
-    assert np.allclose(np.exp(odds.scores(3)), even)  # other match lengths untouched
+        odds.learn(2, fed=3, accepted=0)
+        odds.learn(1, fed=3, accepted=3)
+    assert np.exp(odds.scores(2))[0] > 0.8 and np.exp(odds.scores(1))[3] > 0.8
+    assert np.allclose(np.exp(odds.scores(3)), np.exp(CopyOdds(3).scores(3)))  # others untouched
 
 
 def test_sampled_verify_with_context_drafts_has_the_backbones_distribution(small):  # noqa: F811
