@@ -10,10 +10,12 @@ from conftest import decode_pairs, tiny_model
 
 from clp_mlx import api
 from clp_mlx.decode.choose import make_drafter
+from clp_mlx.decode.config import CONTEXT_K, MAX_CONTEXT_K, DecodeConfig
 from clp_mlx.decode.copies_first import CopiesFirst
 from clp_mlx.decode.drafters import PassDrafts
 from clp_mlx.decode.mtp_drafter import MTPDrafter
 from clp_mlx.decode.sampling import Sampling
+from clp_mlx.errors import ClpError
 from clp_mlx.model.heads_files import init_heads
 
 
@@ -55,6 +57,16 @@ def test_copies_where_the_context_matches_the_inner_drafter_elsewhere():
     assert inner.seen == [9, 1, 2, 5]  # every committed token reaches the inner drafter
 
 
+def test_copies_run_past_the_inner_drafters_depths():
+    inner = Inner()
+    drafter = CopiesFirst(inner, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2], k=6)
+    got = PassDrafts(None, None, None)
+    assert len(drafter.observe([3], got)) == 7  # odds for runs of 0..6 copied drafts
+    assert drafter.candidates(6, 1) == [[4, 5, 6, 7, 8, 1]]
+    drafter.observe([9], got)  # no match: the inner drafter's at most 3, however deep asked
+    assert drafter.candidates(6, 1) == [[7, 7, 7]] and drafter.k == 6
+
+
 @pytest.fixture(scope="module")
 def setup():
     model = tiny_model(0)
@@ -92,6 +104,21 @@ def test_verify_with_copies_and_the_layer_stays_greedy(setup):
     assert again == plain and calls and not any(calls)  # every step copied: the layer only followed
     alone = replace(api.decode_config(max_tokens=4), context_drafts=False).resolve(model, bundle)
     assert isinstance(make_drafter(model, bundle, alone, []), MTPDrafter)
+
+
+def test_copies_draft_further_than_the_layer_only_in_greedy_verify(setup):
+    model, bundle = setup
+    verify = api.decode_config(max_tokens=4).resolve(model, bundle)
+    assert verify.draft_len == CONTEXT_K and make_drafter(model, bundle, verify, []).k == CONTEXT_K
+    assert DecodeConfig(draft_len=MAX_CONTEXT_K).resolve(model, bundle).draft_len == MAX_CONTEXT_K
+    with pytest.raises(ClpError, match="draft_len"):
+        DecodeConfig(draft_len=MAX_CONTEXT_K + 1).resolve(model, bundle)
+    sampled = DecodeConfig(sampling=Sampling(temp=0.8)).resolve(model, bundle)
+    alone = DecodeConfig(context_drafts=False).resolve(model, bundle)
+    clp = DecodeConfig(mode="clp", context_drafts=True).resolve(model, bundle)
+    assert sampled.draft_len == alone.draft_len == clp.draft_len == bundle.k == 3
+    with pytest.raises(ClpError, match="draft_len"):
+        DecodeConfig(draft_len=4, context_drafts=False).resolve(model, bundle)
 
 
 def test_sampled_verify_with_copies_runs(setup):

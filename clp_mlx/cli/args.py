@@ -154,7 +154,7 @@ def add_decode_args(p: argparse.ArgumentParser, *, max_tokens: int, seed: int | 
     p.add_argument(
         "--draft-len", type=int, default=None, metavar="N",
         help="drafts per step of clp-mlx's drafter (default: all the heads' k; without heads, "
-        "up to 6 copied tokens)",
+        "or copies beside an MTP layer in greedy verify, up to 6 copied tokens)",
     )  # fmt: skip
     p.add_argument(
         "--verify-feed",

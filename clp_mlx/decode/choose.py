@@ -18,7 +18,9 @@ def make_drafter(
         return CopyDrafter(config.draft_len, tokens)
     if heads.config.design == "mtp":
         layer = MTPDrafter(model, heads, start)
-        return CopiesFirst(layer, tokens, heads.config.lookup) if config.context_drafts else layer
+        if not config.context_drafts:
+            return layer
+        return CopiesFirst(layer, tokens, heads.config.lookup, config.draft_len)
     if config.context_drafts:
         return CopyThenHeads(HeadsDrafter(model, heads, width, in_pass=False), tokens)
     return HeadsDrafter(model, heads, width)

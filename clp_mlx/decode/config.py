@@ -32,7 +32,9 @@ class DecodeConfig:
     mode: str | None = None
     max_tokens: int = 256
     # Drafts per step, 1..k. None: all k the heads draft (the paper's horizon);
-    # with no heads, up to CONTEXT_K copied tokens.
+    # with no heads, up to CONTEXT_K copied tokens; in greedy verify with the
+    # MTP layer and copies, the layer drafts up to k and copies up to this
+    # (None: CONTEXT_K, at most MAX_CONTEXT_K).
     # Given with mode ar (which drafts nothing) it is refused, never ignored.
     draft_len: int | None = None
     # Greedy verify: feed the draft count with the most expected tokens per
@@ -109,14 +111,17 @@ class DecodeConfig:
         part = {"gate": "gate", "prior-mtp": "head0"}.get(mode)
         if part and part not in heads:
             raise ClpError(f"these heads have no {part} for mode {mode!r}")
-        n = heads.k if self.draft_len is None else self.draft_len
-        if not 1 <= n <= heads.k:
-            raise ClpError(
-                f"draft_len must be in 1..{heads.k} for these heads, got {n} (--draft-len)"
-            )
         wanted = self.context_drafts if self.context_drafts is not None else mode == "verify"
         fits = bool(heads.config.lookup) and (mode == "verify" or (mode == "clp" and self.greedy))
-        return replace(self, mode=mode, draft_len=n, context_drafts=fits and wanted, tree=tree)
+        context = fits and wanted
+        # Greedy verify copies past the MTP layer's depths: a copy runs as far
+        # as the context repeats, and the feed rule stops where it stops paying.
+        longer = context and mode == "verify" and self.greedy and heads.config.design == "mtp"
+        most = MAX_CONTEXT_K if longer else heads.k
+        n = self.draft_len or (max(heads.k, CONTEXT_K) if longer else heads.k)
+        if not 1 <= n <= most:
+            raise ClpError(f"draft_len must be in 1..{most} for these heads, got {n} (--draft-len)")
+        return replace(self, mode=mode, draft_len=n, context_drafts=context, tree=tree)
 
     def _copies_only(self, mode: str, tree: int) -> "DecodeConfig":
         """Resolved for no heads: verify with context drafts alone."""

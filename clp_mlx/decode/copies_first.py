@@ -8,6 +8,10 @@ with its own cache (the MTP layer) must follow every committed token. Where
 a copy is drafted, the inner drafter only follows (``observe(...,
 draft=False)``): its drafts would go unused, and on the 0.5B the MTP layer's
 three depths cost about a tenth of a step.
+
+Copies may run further than the inner drafter's depths (``k``): a repeat
+often goes on for longer than the layer's three drafts, and the odds learnt
+per match length tell the feed rule how far to trust it.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from .drafters import CopyDrafter
 class CopiesFirst:
     in_pass = False  # copies need the committed tokens: drafts come after the pass
 
-    def __init__(self, inner, tokens: list[int], max_ngram: int = 3):
-        self.inner, self.k = inner, inner.k
-        self.copies = CopyDrafter(inner.k, tokens, max_ngram)
+    def __init__(self, inner, tokens: list[int], max_ngram: int = 3, k: int = 0):
+        """``k``: copies' drafts a step at most (0: the inner drafter's ``k``)."""
+        self.inner, self.k = inner, max(k, inner.k)
+        self.copies = CopyDrafter(k or inner.k, tokens, max_ngram)
 
     def at(self, hidden, choices, accepted):
         return self.inner.at(hidden, choices, accepted)
@@ -43,12 +48,14 @@ class CopiesFirst:
         return self.copies.matched or self.inner.can_branch()
 
     def candidates(self, depth: int, count: int) -> list[list[int]]:
-        source = self.copies if self.copies.matched else self.inner
-        return source.candidates(depth, count)
+        if self.copies.matched:
+            return self.copies.candidates(min(depth, self.copies.k), count)
+        return self.inner.candidates(min(depth, self.inner.k), count)
 
     def proposal(self, depth, sampler):
-        source = self.copies if self.copies.matched else self.inner
-        return source.proposal(depth, sampler)
+        if self.copies.matched:
+            return self.copies.proposal(min(depth, self.copies.k), sampler)
+        return self.inner.proposal(min(depth, self.inner.k), sampler)
 
     def draft(self, h, b, sampler=None):
         return self.inner.draft(h, b, sampler)
