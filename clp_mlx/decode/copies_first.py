@@ -47,14 +47,15 @@ class CopiesFirst:
     def can_branch(self) -> bool:
         return self.copies.matched or self.inner.can_branch()
 
+    # A step asks for at most the copies' k (its draft_len); the inner drafter may have fewer.
     def candidates(self, depth: int, count: int) -> list[list[int]]:
         if self.copies.matched:
-            return self.copies.candidates(min(depth, self.copies.k), count)
+            return self.copies.candidates(depth, count)
         return self.inner.candidates(min(depth, self.inner.k), count)
 
     def proposal(self, depth, sampler):
         if self.copies.matched:
-            return self.copies.proposal(min(depth, self.copies.k), sampler)
+            return self.copies.proposal(depth, sampler)
         return self.inner.proposal(min(depth, self.inner.k), sampler)
 
     def draft(self, h, b, sampler=None):
