@@ -51,6 +51,20 @@ def test_sharper_scores_get_a_proportionally_higher_temperature(root):
     assert fits[0]["cases"] == fits[1]["cases"] > 0
 
 
+def test_larger_data_is_fitted_on_every_nth_anchor(root, monkeypatch):
+    """Above MAX_ANCHORS anchors, the fit reads every n-th anchor of each row:
+    fewer cases, the same drafts scored, a temperature on the grid."""
+    from clp_mlx.train import calibrate as module
+
+    model, _, bundle = load_with_drafter(root / "tiny", root / "m" / "drafter")
+    rows = Rows.of([root / "data"], heldout=True)
+    every = module.fit_temperatures(model, bundle, rows)["t+2"]
+    monkeypatch.setattr(module, "MAX_ANCHORS", len(rows) * rows.length // 3)
+    third = module.fit_temperatures(model, bundle, rows)["t+2"]
+    assert 0 < third["cases"] < every["cases"] / 2
+    assert third["temperature"] in GRID
+
+
 def test_the_shipped_drafter_decodes_with_its_temperatures(root):
     """train_mtp writes one temperature a depth and its report; the
     drafter's scores after a pass are the run chances at those temperatures."""
