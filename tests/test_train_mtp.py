@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import decode_pairs
 from mlx import nn
+from mlx.utils import tree_flatten
 from mtp_helpers import distilled
 
 from clp_mlx.api import load_with_drafter
@@ -148,3 +149,41 @@ def test_eval_without_held_out_rows_is_one_error(root):
     assert main(flags) == 0  # trains: the held-out check is skipped
     with pytest.raises(ClpError, match="no whole held-out shard"):
         main([*flags, "--eval"])
+
+
+def test_init_from_starts_at_a_drafters_layer(root):
+    """--init-from: the layer starts as the drafter's (its weights, not its
+    draft vocabulary); a drafter of another shape, or none, is one error."""
+    from clp_mlx.cli.train_mtp import _trainer, setup_arg_parser
+
+    if not (root / "one" / "drafter").is_dir():
+        assert main(train_argv(root, "one")) == 0
+    drafter = str(root / "one" / "drafter")
+    args = setup_arg_parser().parse_args(train_argv(root, "more", "--init-from", drafter))
+    cfg = mtp_trainer.MTPTrainConfig(depths=2, mlp_size=32, draft_vocab=64, init_from=drafter)
+    trainer = _trainer(args, cfg)
+    _, _, bundle = load_with_drafter(root / "tiny", drafter)
+    ours = dict(tree_flatten(trainer.layer.parameters()))
+    theirs = dict(tree_flatten(bundle.mtp.parameters()))
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        np.testing.assert_allclose(ours[key], value, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ClpError, match="another shape"):
+        main([*train_argv(root, "x", "--init-from", drafter), "--mlp-size", "16"])
+    with pytest.raises(ClpError, match="does not exist"):
+        main(train_argv(root, "x", "--init-from", str(root / "nowhere")))
+
+
+def test_a_checkpoint_from_before_a_new_setting_still_resumes(root):
+    """Settings added later (here init_from) count as their defaults when a
+    checkpoint lacks them, so older runs resume and --eval finds them."""
+    from clp_mlx.train.trainer import CHECKPOINT
+
+    if not (root / "one" / "drafter").is_dir():
+        assert main(train_argv(root, "one")) == 0
+    path = root / "one" / CHECKPOINT
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    meta = json.loads(metadata["meta"])
+    del meta["config"]["init_from"]
+    mx.save_safetensors(str(path), arrays, metadata={"meta": json.dumps(meta)})
+    assert main([*train_argv(root, "one"), "--eval"]) == 0

@@ -35,6 +35,8 @@ HELP = {
     "draft_vocab": "the draft vocabulary: the most frequent greedy tokens of --data",
     "seed": "row order and initial weights",
     "soft": "weight of the backbone's whole distribution as the target (1 - soft: its token)",
+    "init_from": "a drafter folder (an MTP layer of these flags' shape, for this backbone) "
+    "to start from, e.g. to go on training it on more data",
 }
 FLAGS = tuple(HELP)
 
@@ -49,7 +51,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     for name in FLAGS:
         value = getattr(defaults, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
-                       help=f"{HELP[name]} (default {value})")  # fmt: skip
+                       help=f"{HELP[name]} (default {value if value != '' else 'none'})")  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
                    help=f"steps between checkpoints (default {defaults.checkpoint_every})")  # fmt: skip
     p.add_argument(
@@ -164,8 +166,30 @@ def _trainer(args, cfg: MTPTrainConfig):
     ids = draft_vocabulary(rows.greedy_tokens(), cfg.draft_vocab, model.args.vocab_size)
     mx.random.seed(cfg.seed)  # the same start in every run of these flags
     layer = MTPLayer(model.args, cfg.mlp_size)
-    layer.start_as_backbone(model.model.norm)
+    if cfg.init_from:
+        _start_from(layer, model, Path(cfg.init_from))
+    else:
+        layer.start_as_backbone(model.model.norm)
     return MTPTrainer(model, layer, rows, cfg, ids)
+
+
+def _start_from(layer, model, folder: Path) -> None:
+    """``layer`` takes the MTP layer of the drafter in ``folder``. Its draft
+    vocabulary is not taken: the layer's weights do not depend on it (drafts
+    are read through the backbone's own output rows), and this run's data
+    chooses its own."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    from ..model.heads_files import load_heads
+
+    bundle = load_heads(folder, model)  # checked against this backbone
+    if bundle.config.design != "mtp" or bundle.mtp.style != "mtp":
+        raise ClpError(f"--init-from {folder}: not an MTP-layer drafter (train_mtp writes those)")
+    if bundle.mtp.shape() != layer.shape():
+        width = bundle.mtp.block.args.intermediate_size
+        raise ClpError(f"--init-from {folder}: its layer has another shape (--mlp-size {width}?)")
+    layer.update(tree_map(lambda a: a.astype(mx.float32), bundle.mtp.parameters()))
 
 
 HELD_ROWS = 32  # held-out rows checked at every checkpoint

@@ -43,6 +43,7 @@ class MTPTrainConfig:
     checkpoint_every: int = 25
     soft: float = 0.0  # weight of the backbone's whole distribution as the target (1 - soft: its token)
     feed: str = FEED  # what later depths read; checkpoints of an earlier layer are not resumed
+    init_from: str = ""  # a drafter folder whose MTP layer starts the run ("": as the backbone)
 
 
 class MTPTrainer:
@@ -125,7 +126,7 @@ class MTPTrainer:
         save_checkpoint(folder, arrays, meta)
 
     def restore(self, folder: Path) -> bool:
-        got = load_checkpoint(folder, asdict(self.cfg))
+        got = load_checkpoint(folder, asdict(self.cfg), defaults=asdict(MTPTrainConfig()))
         if got is None or not np.array_equal(np.array(got[0]["vocab_ids"]), self.vocab_ids):
             return False  # none, or another configuration or data: start afresh
         arrays, meta = got

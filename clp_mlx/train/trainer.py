@@ -162,15 +162,20 @@ def save_checkpoint(folder: Path, arrays: dict, meta: dict) -> None:
         mx.save_safetensors(f, arrays, metadata={"meta": json.dumps(meta)})
 
 
-def load_checkpoint(folder: Path, config: dict):
+def load_checkpoint(folder: Path, config: dict, defaults: dict | None = None):
     """(arrays, meta) of the checkpoint in ``folder`` made with ``config``;
-    None when there is none, or it is of another configuration."""
+    None when there is none, or it is of another configuration. With
+    ``defaults``, settings added since the checkpoint was made count as
+    their defaults."""
     path = folder / CHECKPOINT
     if not path.is_file():
         return None
     arrays, metadata = mx.load(str(path), return_metadata=True)
     meta = json.loads(metadata.get("meta", "{}"))
-    return (arrays, meta) if meta.get("config") == config else None
+    saved = meta.get("config")
+    if defaults is not None and isinstance(saved, dict):
+        saved = {**defaults, **saved}
+    return (arrays, meta) if saved == config else None
 
 
 def part(arrays: dict, prefix: str) -> list:
