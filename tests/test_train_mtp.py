@@ -187,3 +187,18 @@ def test_a_checkpoint_from_before_a_new_setting_still_resumes(root):
     del meta["config"]["init_from"]
     mx.save_safetensors(str(path), arrays, metadata={"meta": json.dumps(meta)})
     assert main([*train_argv(root, "one"), "--eval"]) == 0
+
+
+def test_a_checkpoint_without_feed_is_never_resumed(root):
+    """A layer from before ``feed`` was recorded read another input: its
+    checkpoint counts as another configuration, not as the default."""
+    from clp_mlx.train.trainer import CHECKPOINT
+
+    assert main(train_argv(root, "old")) == 0
+    path = root / "old" / CHECKPOINT
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    meta = json.loads(metadata["meta"])
+    del meta["config"]["feed"]
+    mx.save_safetensors(str(path), arrays, metadata={"meta": json.dumps(meta)})
+    with pytest.raises(ClpError, match="no checkpoint of these flags"):
+        main([*train_argv(root, "old"), "--eval"])

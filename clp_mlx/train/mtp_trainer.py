@@ -46,6 +46,11 @@ class MTPTrainConfig:
     init_from: str = ""  # a drafter folder whose MTP layer starts the run ("": as the backbone)
 
 
+# Settings added since checkpoints recorded ``feed``: one without them was made
+# with these values. (One without ``feed`` read another input: never resumed.)
+ADDED = {"init_from": ""}
+
+
 class MTPTrainer:
     def __init__(self, model, layer: MTPLayer, rows: Rows, cfg: MTPTrainConfig, vocab_ids):
         self.model, self.layer, self.rows, self.cfg = model, layer, rows, cfg
@@ -126,7 +131,7 @@ class MTPTrainer:
         save_checkpoint(folder, arrays, meta)
 
     def restore(self, folder: Path) -> bool:
-        got = load_checkpoint(folder, asdict(self.cfg), defaults=asdict(MTPTrainConfig()))
+        got = load_checkpoint(folder, asdict(self.cfg), defaults=ADDED)
         if got is None or not np.array_equal(np.array(got[0]["vocab_ids"]), self.vocab_ids):
             return False  # none, or another configuration or data: start afresh
         arrays, meta = got
