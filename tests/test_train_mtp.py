@@ -174,31 +174,30 @@ def test_init_from_starts_at_a_drafters_layer(root):
         main(train_argv(root, "x", "--init-from", str(root / "nowhere")))
 
 
+def drop_setting(out, key):
+    """Make the checkpoint in ``out`` look older: its config without ``key``."""
+    from clp_mlx.train.trainer import CHECKPOINT
+
+    path = out / CHECKPOINT
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    meta = json.loads(metadata["meta"])
+    del meta["config"][key]
+    mx.save_safetensors(str(path), arrays, metadata={"meta": json.dumps(meta)})
+
+
 def test_a_checkpoint_from_before_a_new_setting_still_resumes(root):
     """Settings added later (here init_from) count as their defaults when a
     checkpoint lacks them, so older runs resume and --eval finds them."""
-    from clp_mlx.train.trainer import CHECKPOINT
-
     if not (root / "one" / "drafter").is_dir():
         assert main(train_argv(root, "one")) == 0
-    path = root / "one" / CHECKPOINT
-    arrays, metadata = mx.load(str(path), return_metadata=True)
-    meta = json.loads(metadata["meta"])
-    del meta["config"]["init_from"]
-    mx.save_safetensors(str(path), arrays, metadata={"meta": json.dumps(meta)})
+    drop_setting(root / "one", "init_from")
     assert main([*train_argv(root, "one"), "--eval"]) == 0
 
 
 def test_a_checkpoint_without_feed_is_never_resumed(root):
     """A layer from before ``feed`` was recorded read another input: its
     checkpoint counts as another configuration, not as the default."""
-    from clp_mlx.train.trainer import CHECKPOINT
-
     assert main(train_argv(root, "old")) == 0
-    path = root / "old" / CHECKPOINT
-    arrays, metadata = mx.load(str(path), return_metadata=True)
-    meta = json.loads(metadata["meta"])
-    del meta["config"]["feed"]
-    mx.save_safetensors(str(path), arrays, metadata={"meta": json.dumps(meta)})
+    drop_setting(root / "old", "feed")
     with pytest.raises(ClpError, match="no checkpoint of these flags"):
         main([*train_argv(root, "old"), "--eval"])
