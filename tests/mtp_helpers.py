@@ -4,6 +4,7 @@ import numpy as np
 from conftest import tiny_model, write_model_folder
 
 from clp_mlx.cli.distill import main as distill
+from clp_mlx.cli.train_mtp import main as train_mtp
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
 
@@ -19,4 +20,14 @@ def distilled(root):
             "--new-tokens", "16", "--batch", "4", "--shard-size", "8", "--heldout", "0.2",
             "--quiet"]  # fmt: skip
     assert distill(argv) == 0
+    return root
+
+
+def trained(root, steps: int = 30):
+    """:func:`distilled`, and ``root/m/drafter``: a 2-depth layer trained on its rows."""
+    distilled(root)
+    argv = ["--model", str(root / "tiny"), "--data", str(root / "data"), "--out", str(root / "m"),
+            "--steps", str(steps), "--batch", "4", "--depths", "2", "--mlp-size", "32",
+            "--lr", "3e-3", "--draft-vocab", "64", "--warmup", "2", "--quiet"]  # fmt: skip
+    assert train_mtp(argv) == 0
     return root

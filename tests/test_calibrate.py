@@ -7,10 +7,9 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mtp_helpers import distilled
+from mtp_helpers import trained
 
 from clp_mlx.api import load_with_drafter
-from clp_mlx.cli.train_mtp import main as train_mtp
 from clp_mlx.decode.drafters import PassDrafts
 from clp_mlx.decode.mtp_drafter import MTPDrafter, draft_chance, run_scores
 from clp_mlx.train.calibrate import GRID, calibrate
@@ -20,12 +19,7 @@ from clp_mlx.train.rows_eval import chain_drafts
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = distilled(tmp_path_factory.mktemp("calibrate"))
-    argv = ["--model", str(root / "tiny"), "--data", str(root / "data"), "--out", str(root / "m"),
-            "--steps", "30", "--batch", "4", "--depths", "2", "--mlp-size", "32", "--lr", "3e-3",
-            "--draft-vocab", "64", "--warmup", "2", "--quiet"]  # fmt: skip
-    assert train_mtp(argv) == 0
-    return root
+    return trained(tmp_path_factory.mktemp("calibrate"))
 
 
 def drafts_of(model, bundle, rows):

@@ -125,6 +125,7 @@ def _write_drafter(args, trainer, folder: Path, command: str, timing: dict) -> N
     data = [store.describe(Path(d)) for d in args.data]
     held = [d for d, about in zip(args.data, data) if about["held_out_rows"]]
     calibration = _calibrate(trainer, bundle, held)
+    baselines = _baselines(trainer, bundle, held)
     report = {
         "command": command,
         "data": data,
@@ -135,6 +136,7 @@ def _write_drafter(args, trainer, folder: Path, command: str, timing: dict) -> N
         **timing,  # "seconds": this run's training only
         "curve": trainer.curve(),
         "calibration": calibration,
+        "baselines": baselines,
         "held_out": score_folders(trainer.model, bundle, held, args.lookup),
         "backbone_fingerprint": bundle.config.fingerprint,
     }
@@ -150,6 +152,15 @@ def _calibrate(trainer, bundle, dirs: list) -> dict:
 
     rows = _held_rows(trainer, dirs)
     return calibrate(trainer.model, bundle, rows) if len(rows) else {}
+
+
+def _baselines(trainer, bundle, dirs: list) -> dict:
+    """The gate and head 0 baselines, fitted on the held-out rows of ``dirs``
+    (train/mtp_baselines.py); {} and none where they hold none."""
+    from ..train.mtp_baselines import fit_baselines
+
+    rows = _held_rows(trainer, dirs)
+    return fit_baselines(trainer.model, bundle, rows) if len(rows) else {}
 
 
 def _trainer(args, cfg: MTPTrainConfig):
