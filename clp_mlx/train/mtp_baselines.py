@@ -18,7 +18,7 @@ import numpy as np
 from ..model import backbone
 from ..model.heads import Gate, ResBlock, gate_hidden_size
 from .fit import _fit_gate, fit_small
-from .mtp_data import Rows
+from .mtp_data import Rows, id_map_of
 from .rows_eval import chain_drafts, targets
 
 MAX_ROWS = 160  # held-out rows read (a seeded sample): ~15k anchors of 96-token rows
@@ -69,12 +69,7 @@ def _fit_head0(model, bundle, h, after, seed: int, steps: int) -> float:
     vocabulary without one) against the row's t+1; its final loss."""
     vocab = bundle.draft_vocab if "draft_vocab" in bundle else None
     w = backbone.output_rows(model, vocab).astype(mx.float32)
-    if vocab is None:
-        mapped = after
-    else:
-        ids, v = np.full(bundle.config.vocab_size, -1, dtype=np.int64), np.array(vocab)
-        ids[v] = np.arange(len(v))
-        mapped = ids[after]
+    mapped = after if vocab is None else id_map_of(np.array(vocab), bundle.config.vocab_size)[after]
     keep = mapped >= 0
     bundle.freeze()
     bundle.head0.unfreeze()
