@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             raise ClpError(f"no checkpoint of these flags in {out}")
         bundle = to_bundle(trainer)
         report = {"step": trainer.step, "config": asdict(cfg)}
-        report["calibration"] = _calibrate(trainer, bundle, args.data)
+        report["calibration"] = _calibrate(trainer, bundle, _held_rows(trainer, args.data))
         report.update(score_folders(trainer.model, bundle, args.data, args.lookup))
         print(json.dumps(report, indent=1))
         return 0
@@ -124,8 +124,9 @@ def _write_drafter(args, trainer, folder: Path, command: str, timing: dict) -> N
     greedy = rows.greedy_tokens()
     data = [store.describe(Path(d)) for d in args.data]
     held = [d for d, about in zip(args.data, data) if about["held_out_rows"]]
-    calibration = _calibrate(trainer, bundle, held)
-    baselines = _baselines(trainer, bundle, held)
+    held_rows = _held_rows(trainer, held)
+    calibration = _calibrate(trainer, bundle, held_rows)
+    baselines = _baselines(trainer, bundle, held_rows)
     report = {
         "command": command,
         "data": data,
@@ -145,21 +146,19 @@ def _write_drafter(args, trainer, folder: Path, command: str, timing: dict) -> N
     write_text(folder / "training.json", json.dumps(report, indent=1) + "\n")
 
 
-def _calibrate(trainer, bundle, dirs: list) -> dict:
-    """Fit ``bundle``'s temperatures on the held-out rows of ``dirs``
-    (train/calibrate.py); {} where they hold none."""
+def _calibrate(trainer, bundle, rows) -> dict:
+    """Fit ``bundle``'s temperatures on held-out ``rows`` (train/calibrate.py);
+    {} where there are none."""
     from ..train.calibrate import calibrate
 
-    rows = _held_rows(trainer, dirs)
     return calibrate(trainer.model, bundle, rows) if len(rows) else {}
 
 
-def _baselines(trainer, bundle, dirs: list) -> dict:
-    """The gate and head 0 baselines, fitted on the held-out rows of ``dirs``
-    (train/mtp_baselines.py); {} and none where they hold none."""
+def _baselines(trainer, bundle, rows) -> dict:
+    """The gate and head 0 baselines, fitted on held-out ``rows``
+    (train/mtp_baselines.py); {} and none where there are none."""
     from ..train.mtp_baselines import fit_baselines
 
-    rows = _held_rows(trainer, dirs)
     return fit_baselines(trainer.model, bundle, rows) if len(rows) else {}
 
 
