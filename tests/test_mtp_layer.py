@@ -36,6 +36,18 @@ def test_unrolled_equals_step_by_step_decoding(setup):
             np.testing.assert_allclose(feature[0, 0], outs[j - 1][0, s], rtol=1e-4, atol=1e-4)
 
 
+def test_outputs_from_a_later_anchor_are_the_same_outputs(setup):
+    """``first``: the prompt's anchors give keys only; every later output is unchanged."""
+    layer, h, tokens, embed, norm = setup
+    emb = lambda j: embed(tokens[:, j : j + LENGTH])
+    for drafted in (None, lambda g: embed(mx.argmax(g, axis=-1) % 128)):
+        whole = layer.unrolled(h, emb, DEPTHS, norm, drafted=drafted)
+        cut = layer.unrolled(h, emb, DEPTHS, norm, drafted=drafted, first=4)
+        for a, b in zip(whole, cut):
+            assert b.shape[1] == LENGTH - 4
+            np.testing.assert_allclose(a[:, 4:], b, rtol=1e-5, atol=1e-5)
+
+
 def test_a_later_anchor_never_changes_an_earlier_one(setup):
     layer, h, tokens, embed, norm = setup
     outs = layer.unrolled(h, lambda j: embed(tokens[:, j : j + LENGTH]), DEPTHS, norm)

@@ -125,16 +125,42 @@ def test_soft_targets_are_the_backbones_distribution_one_position_on(root):
     b = batch(trainer.rows, np.arange(3), 2, trainer.id_map)
     rows = trainer.rows.gather(np.arange(3), 2)[1]
     logits = trainer.model(mx.array(np.maximum(rows, 0)))[..., mx.array(trainer.vocab_ids)]
-    width, length = b["h"].shape[-1], b["h"].shape[1]
+    width, first = b["h"].shape[-1], b["first"]
+    length = b["h"].shape[1] - first  # anchors from the first with a target
     want = mx.array(0.0)
     for j, g in enumerate(trainer.outputs(b), 1):
         at = np.array(b[f"at{j}"])
         r, s = np.divmod(at, length)
-        teacher = mx.softmax(logits[mx.array(r), mx.array(s + j)].astype(mx.float32), axis=-1)
+        teacher = logits[mx.array(r), mx.array(first + s + j)].astype(mx.float32)
+        teacher = mx.softmax(teacher, axis=-1)
         own = nn.log_softmax(trainer.logits(g.reshape(-1, width)[b[f"at{j}"]]), axis=-1)
         want = want + 0.8 ** (j - 1) * -(teacher * own).sum() / at.size
     got, _ = trainer._loss(b)
     np.testing.assert_allclose(got.item(), want.item(), rtol=2e-3)
+
+
+def test_a_batch_lists_every_greedy_target_once_from_its_first_anchor(root):
+    """Each index (a row, an anchor from ``first``) of depth ``j`` targets the
+    row's token ``j + 1`` on, a greedy one in the draft vocabulary; together
+    they are every such target, and no anchor before ``first`` has one."""
+    from clp_mlx.train.mtp_data import Rows, batch
+
+    rows = Rows.of([root / "data"])
+    idx, depths = np.arange(len(rows)), 3
+    vocab = np.arange(0, 128, 3)  # a third of the tiny vocabulary
+    id_map = np.full(128, -1)
+    id_map[vocab] = np.arange(vocab.size)
+    b = batch(rows, idx, depths, id_map)
+    _, tokens, starts, ends = rows.gather(idx, depths)
+    first, n = b["first"], b["h"].shape[1] - b["first"]
+    assert 0 < first < starts.min() and b["h"].shape[1] == ends.max()
+    for j in range(1, depths + 1):
+        want = {(r, s): id_map[tokens[r, s + j + 1]] for r in range(len(idx))
+                for s in range(ends[r]) if starts[r] <= s + j + 1 < ends[r]
+                and id_map[tokens[r, s + j + 1]] >= 0}  # fmt: skip
+        r, s = np.divmod(np.array(b[f"at{j}"]), n)
+        got = dict(zip(zip(r.tolist(), (s + first).tolist()), np.array(b[f"y{j}"]).tolist()))
+        assert got == want and min(s0 for _, s0 in want) >= first
 
 
 def test_eval_without_held_out_rows_is_one_error(root):

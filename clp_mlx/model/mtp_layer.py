@@ -138,29 +138,35 @@ class MTPLayer(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return self.finish(x, out), (k, v)
 
-    def unrolled(self, h, tokens_emb, depths: int, final_norm, drafted=None) -> list[mx.array]:
-        """Training: outputs per depth, each (B, L, d), for anchors ``s`` of
-        ``h`` (B, L, d). ``tokens_emb(j)`` gives the embeddings (B, L, d) of
-        the token each anchor's depth ``j`` reads (1-based: ``x_{s+j}``);
+    def unrolled(self, h, tokens_emb, depths: int, final_norm, drafted=None, first: int = 0):
+        """Training: outputs per depth, each (B, L - first, d), for anchors
+        ``s >= first`` of ``h`` (B, L, d); earlier anchors give only their
+        depth-1 keys (rows' prompts, where no target is: a fifth to a half
+        of the block's work). ``tokens_emb(j)`` gives the embeddings (B, L, d)
+        of the token each anchor's depth ``j`` reads (1-based: ``x_{s+j}``);
         ``final_norm``: the backbone's (:meth:`readout`).
         With ``drafted`` (outputs -> embeddings of their drafts), depths
         after the first read their own drafts instead, as decoding does."""
         attn = self.block.self_attn
         groups = attn.n_heads // attn.n_kv_heads
         length = h.shape[1]
-        causal = mx.arange(length)[None] <= mx.arange(length)[:, None]
+        causal = mx.arange(length)[None] <= mx.arange(first, length)[:, None]
         feature, outs, own_k, own_v = None, [], [], []
         for j in range(1, depths + 1):
-            emb = tokens_emb(j) if j == 1 or drafted is None else drafted(feature)
-            x = self.fuse(h if j == 1 else self.readout(final_norm, feature), emb)
-            q, k, v = self.qkv(x, j - 1)
             if j == 1:
+                x = self.fuse(h, tokens_emb(1))
+            else:
+                emb = tokens_emb(j)[:, first:] if drafted is None else drafted(feature)
+                x = self.fuse(self.readout(final_norm, feature), emb)
+            q, k, v = self.qkv(x, first + j - 1 if j > 1 else 0)
+            if j == 1:
+                x, q = x[:, first:], q[:, :, first:]
                 k1 = mx.repeat(k, groups, axis=1)
                 v1 = mx.repeat(v, groups, axis=1)
             else:
                 own_k.append(mx.repeat(k, groups, axis=1))
                 own_v.append(mx.repeat(v, groups, axis=1))
-            scores = (q * attn.scale) @ k1.swapaxes(-1, -2)  # (B, H, L, L)
+            scores = (q * attn.scale) @ k1.swapaxes(-1, -2)  # (B, H, L - first, L)
             scores = mx.where(causal, scores, -mx.inf)
             diag = [mx.sum(q * attn.scale * kk, axis=-1, keepdims=True) for kk in own_k]
             p = mx.softmax(mx.concatenate([scores, *diag], axis=-1), axis=-1, precise=True)

@@ -82,21 +82,24 @@ class Rows:
 
 
 def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray) -> dict:
-    """A training batch of rows ``idx`` (see the module's docstring)."""
+    """A training batch of rows ``idx`` (see the module's docstring), cut to
+    the longest row, with the first anchor that has a target at some depth
+    (``first``; the indices count anchors from it)."""
     hidden, tokens, starts, ends = rows.gather(idx, depths)
-    length = rows.length
-    s = np.arange(length)[None]
-    out = {"h": mx.array(hidden), "tokens": mx.array(np.maximum(tokens, 0))}
+    length = int(ends.max())
+    first = min(max(0, int(starts.min()) - depths - 1), length - 1)
+    hidden, tokens = hidden[:, :length], tokens[:, : length + depths + 1]
+    s = np.arange(first, length)[None]
+    out = {"h": mx.array(hidden), "tokens": mx.array(np.maximum(tokens, 0)), "first": first}
     for j in range(1, depths + 1):
         target_at = s + j + 1
-        ok = (target_at >= starts[:, None]) & (target_at < ends[:, None])
+        greedy = (target_at >= starts[:, None]) & (target_at < ends[:, None])
         target = np.take_along_axis(tokens, np.minimum(target_at, tokens.shape[1] - 1), 1)
         mapped = id_map[np.maximum(target, 0)]
-        ok &= mapped >= 0
-        flat = np.flatnonzero(ok)
+        flat = np.flatnonzero(greedy & (mapped >= 0))
         out[f"at{j}"] = mx.array(flat.astype(np.int32))
         out[f"y{j}"] = mx.array(mapped.reshape(-1)[flat].astype(np.int32))
-        out[f"all{j}"] = int(((target_at >= starts[:, None]) & (target_at < ends[:, None])).sum())
+        out[f"all{j}"] = int(greedy.sum())
     return out
 
 

@@ -72,7 +72,8 @@ class MTPTrainer:
     def outputs(self, b: dict) -> list[mx.array]:
         tokens, length = b["tokens"], b["h"].shape[1]
         embed = lambda j: backbone.embed(self.model, tokens[:, j : j + length])
-        return self.layer.unrolled(b["h"], embed, self.cfg.depths, self.model.model.norm)
+        norm = self.model.model.norm
+        return self.layer.unrolled(b["h"], embed, self.cfg.depths, norm, first=b["first"])
 
     def _loss(self, b: dict):
         total, hits, soft = mx.array(0.0), [], self.cfg.soft
@@ -82,7 +83,8 @@ class MTPTrainer:
             logits = self.logits(g.reshape(-1, width)[at])
             ce = nn.losses.cross_entropy(logits, y, reduction="sum")
             if soft:  # the backbone's distribution where it chose y: its state one position on
-                teacher = mx.softmax(b["h"].reshape(-1, width)[at + j] @ self.w.T, axis=-1)
+                h = b["h"][:, b["first"] :].reshape(-1, width)
+                teacher = mx.softmax(h[at + j] @ self.w.T, axis=-1)
                 own = -(mx.stop_gradient(teacher) * nn.log_softmax(logits, axis=-1)).sum()
                 ce = (1 - soft) * ce + soft * own
             total = total + self.cfg.decay ** (j - 1) * ce / max(1, at.size)
