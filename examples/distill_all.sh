@@ -27,8 +27,9 @@ plan() {  # plan MODEL SUBDIR NEW_TOKENS PROMPTS MAGPIE_PROMPT_TOKENS
     run $model $dir/wikitext $new $prompts wikitext --data "$wiki/wiki.train.raw" --prompt-tokens 32
     run $model $dir/wikitext-valid $new 256 wikitext --data "$wiki/wiki.valid.raw" \
         --prompt-tokens 32 --heldout 1
-    run $model $dir/code $new $prompts code --data "$stdlib" --prompt-tokens 32
+    # magpie before code: its chat-template answers are what chat prompts decode
     run $model $dir/magpie $new $prompts magpie --prompt-tokens $5
+    run $model $dir/code $new $prompts code --data "$stdlib" --prompt-tokens 32
 }
 
 case $which in 05b|all) plan qwen2.5-coder-0.5b-instruct 05b 96 3500 48;; esac
