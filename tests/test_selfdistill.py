@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -248,10 +249,11 @@ def test_heldout_1_makes_an_evaluation_only_folder(root):
     out = root / "all-held"
     assert not store.shard_folders(out) and not list(out.glob("shard-*[0-9]"))
     width = store.load_shard(store.shard_folders(out, True)[0])["hidden"].shape[2]
-    held = Rows.for_model([out], width, heldout=True)
+    shape = SimpleNamespace(hidden_size=width, vocab_size=1 << 17)
+    held = Rows.for_model([out], shape, heldout=True)
     assert len(held) == 10 and held.positions() == 10 * 6
     with pytest.raises(ClpError, match="no whole training shard"):
-        Rows.for_model([out], width)
+        Rows.for_model([out], shape)
 
 
 def test_prompts_are_distinct_openings_first_then_deeper_windows():

@@ -50,10 +50,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     defaults = MTPTrainConfig()
     for name in FLAGS:
         value = getattr(defaults, name)
+        shown = value if value != "" else "none"
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
-                       help=f"{HELP[name]} (default {value if value != '' else 'none'})")  # fmt: skip
-    p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
-                   help=f"steps between checkpoints (default {defaults.checkpoint_every})")  # fmt: skip
+                       help=f"{HELP[name]} (default {shown})")  # fmt: skip
+    every = defaults.checkpoint_every
+    p.add_argument("--checkpoint-every", type=int, default=every,
+                   help=f"steps between checkpoints (default {every})")  # fmt: skip
     p.add_argument(
         "--lookup",
         type=int,
@@ -77,9 +79,7 @@ def main(argv=None) -> int:
         raise ClpError("--soft must be in [0, 1]")
     if not 0 <= args.lookup <= MAX_LOOKUP:
         raise ClpError(f"--lookup must be 0 to {MAX_LOOKUP}")
-    missing = [d for d in args.data if not (Path(d) / "manifest.json").is_file()]
-    if missing:
-        raise ClpError(f"not a self-distilled data folder (no manifest.json): {missing[0]}")
+    _check_args(args, cfg)
     trainer = _trainer(args, cfg)
     out = Path(args.out)
     if args.eval:
@@ -106,6 +106,30 @@ def main(argv=None) -> int:
     _write_drafter(args, trainer, out / "drafter", " ".join([COMMAND, *words]), timing)
     print(f"drafter written to {out / 'drafter'}", file=sys.stderr)
     return 0
+
+
+def _check_args(args, cfg: MTPTrainConfig) -> None:
+    """What can be refused before the model loads: the seed, the depths
+    against the drafts a step may hold and the data's continuations, --out."""
+    from ..model.checks import seed
+    from ..model.heads_checks import MAX_K
+    from ..train.selfdistill_store import read_manifest
+
+    seed(cfg.seed, "--seed")
+    if cfg.depths > MAX_K:
+        raise ClpError(f"--depths must be at most {MAX_K}")
+    for d in map(Path, args.data):
+        if not (d / "manifest.json").is_file():
+            raise ClpError(f"not a self-distilled data folder (no manifest.json): {d}")
+        settings = read_manifest(d).get("settings")
+        new = settings.get("new_tokens") if isinstance(settings, dict) else None
+        if isinstance(new, int) and cfg.depths >= new:
+            raise ClpError(
+                f"--depths {cfg.depths}: the rows of {d} continue for {new} tokens, "
+                f"and the deepest draft needs one that far on (at most {new - 1})"
+            )
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ClpError(f"--out {args.out} is a file, not a folder")
 
 
 def _write_drafter(args, trainer, folder: Path, command: str, timing: dict) -> None:
@@ -172,7 +196,7 @@ def _trainer(args, cfg: MTPTrainConfig):
     from ..train.trainer import draft_vocabulary
 
     model, _, _ = load_with_drafter(args.model, "none")
-    rows = Rows.for_model(args.data, model.args.hidden_size)
+    rows = Rows.for_model(args.data, model.args)
     ids = draft_vocabulary(rows.greedy_tokens(), cfg.draft_vocab, model.args.vocab_size)
     mx.random.seed(cfg.seed)  # the same start in every run of these flags
     layer = MTPLayer(model.args, cfg.mlp_size)
@@ -208,11 +232,11 @@ HELD_ROWS = 32  # held-out rows checked at every checkpoint
 def _held_rows(trainer, data: list[str]) -> list:
     """The data folders' held-out rows (none yet: [])."""
     from ..train.mtp_data import Rows
+    from ..train.selfdistill_store import shard_folders
 
-    try:
-        return Rows.for_model(data, trainer.model.args.hidden_size, heldout=True)
-    except ClpError:
+    if not any(shard_folders(Path(d), heldout=True) for d in data):
         return []
+    return Rows.for_model(data, trainer.model.args, heldout=True)
 
 
 def _train(trainer, out: Path, held, quiet: bool) -> int:

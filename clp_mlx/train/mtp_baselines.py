@@ -26,8 +26,11 @@ MAX_ROWS = 160  # held-out rows read (a seeded sample): ~15k anchors of 96-token
 
 def fit_baselines(model, bundle, rows: Rows, seed: int = 0, steps: int = 300) -> dict:
     """Give ``bundle`` (design "mtp") a fitted gate and head 0 from the
-    held-out ``rows``; their final losses and how many anchors they read."""
+    held-out ``rows``; their final losses and how many anchors they read
+    ({} and no baselines when no row is long enough for every depth)."""
     h, agree, after = anchors(model, bundle, rows, seed)
+    if h.shape[0] == 0:
+        return {}
     d, k = bundle.config.hidden_size, bundle.k
     bundle.config.gate_hidden = gate_hidden_size(d, k)
     bundle.gate = Gate(d, k, bundle.config.gate_hidden)

@@ -33,19 +33,23 @@ class Rows:
         return cls([f for d in dirs for f in shard_folders(Path(d), heldout)])
 
     @classmethod
-    def for_model(cls, dirs: list, hidden_size: int, heldout: bool = False) -> Rows:
+    def for_model(cls, dirs: list, model_args, heldout: bool = False) -> Rows:
         """The training (or held-out) rows of distilled folders ``dirs`` made
-        by a backbone of ``hidden_size``; ClpError when they hold none yet or
-        come from another backbone."""
+        by a backbone of ``model_args``' shape; ClpError when they hold none
+        yet or come from another backbone."""
         try:
             rows = cls.of([Path(d) for d in dirs], heldout)
         except ValueError:
             kind = "held-out" if heldout else "training"
             raise ClpError(f"{', '.join(map(str, dirs))}: no whole {kind} shard yet") from None
-        width = rows.parts[0]["hidden"].shape[2]
-        if width != hidden_size:
-            raise ClpError(f"the data's hidden states are {width} wide; this model's are "
-                           f"{hidden_size}: data of another backbone")  # fmt: skip
+        for part in rows.parts:
+            width = part["hidden"].shape[2]
+            if width != model_args.hidden_size:
+                raise ClpError(f"the data's hidden states are {width} wide; this model's are "
+                               f"{model_args.hidden_size}: data of another backbone")  # fmt: skip
+            if part["tokens"].size and part["tokens"].max() >= model_args.vocab_size:
+                raise ClpError(f"the data holds token ids past this model's vocabulary "
+                               f"({model_args.vocab_size}): data of another backbone")  # fmt: skip
         return rows
 
     def __len__(self) -> int:

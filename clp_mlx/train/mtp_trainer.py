@@ -41,7 +41,7 @@ class MTPTrainConfig:
     draft_vocab: int = 16384
     seed: int = 0
     checkpoint_every: int = 25
-    soft: float = 0.0  # weight of the backbone's whole distribution as the target (1 - soft: its token)
+    soft: float = 0.0  # weight of the backbone's distribution as the target (1 - soft: its token)
     feed: str = FEED  # what later depths read; checkpoints of an earlier layer are not resumed
     init_from: str = ""  # a drafter folder whose MTP layer starts the run ("": as the backbone)
 
@@ -80,6 +80,9 @@ class MTPTrainer:
         width = b["h"].shape[-1]
         for j, g in enumerate(self.outputs(b), 1):
             at, y = b[f"at{j}"], b[f"y{j}"]
+            if at.size == 0:  # no row of the batch reaches this depth inside its continuation
+                hits.append(mx.array(0))
+                continue
             logits = self.logits(g.reshape(-1, width)[at])
             ce = nn.losses.cross_entropy(logits, y, reduction="sum")
             if soft:  # the backbone's distribution where it chose y: its state one position on

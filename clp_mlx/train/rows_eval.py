@@ -114,7 +114,8 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
         if name == "drafter" or lookup:
             key = "walked_tokens_per_pass" if name == "drafter" else "walked_with_copies"
             out[key] = round(walked_tokens_per_pass(runs), 3)
-            out[f"{key}_first_{EARLY}"] = round(walked_tokens_per_pass([r[:EARLY] for r in runs]), 3)
+            early = [r[:EARLY] for r in runs]
+            out[f"{key}_first_{EARLY}"] = round(walked_tokens_per_pass(early), 3)
     out["clp_mode"] = {_name(t): _unchecked(np.concatenate(n), run) for t, n in decided.items()}
     return out
 
@@ -160,8 +161,7 @@ def _with_copies(drafts, copied, match, target, inside, starts, ends) -> list[np
 
 def score_folders(model, bundle, dirs: list, lookup: int = 0) -> dict:
     """:func:`evaluate_rows` on each distilled folder's held-out rows, by folder name."""
-    width = model.args.hidden_size
     return {
-        Path(d).name: evaluate_rows(model, bundle, Rows.for_model([d], width, True), lookup)
+        Path(d).name: evaluate_rows(model, bundle, Rows.for_model([d], model.args, True), lookup)
         for d in dirs
     }

@@ -37,6 +37,35 @@ TRAIN, HELD = "shard", "heldout"
 PAD = -1  # token id of the positions after a row's end (rows of a shard differ in length)
 
 
+def read_object(path: Path, what: str) -> dict:
+    """``path``'s JSON object; a ClpError naming it when it is not one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ClpError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError):  # JSON and UTF-8 errors are ValueErrors
+        value = None
+    if not isinstance(value, dict):
+        raise ClpError(f"{path} is not a {what}: remove the folder, or make it again")
+    return value
+
+
+def read_manifest(out: Path) -> dict:
+    return read_object(out / MANIFEST, "self-distilled data manifest")
+
+
+def sidecar_folders(side: Path) -> dict:
+    """The folders a shard's sidecar names: name -> {rows, positions, sha256}."""
+    folders = read_object(side, "shard sidecar").get("folders")
+    counts = ("rows", "positions")
+    if not isinstance(folders, dict) or not all(
+        isinstance(i, dict) and all(isinstance(i.get(c), int) for c in counts)
+        for i in folders.values()
+    ):
+        raise ClpError(f"{side} is not a shard sidecar: remove the folder, or make it again")
+    return folders
+
+
 def folder_name(prefix: str, j: int) -> str:
     return f"{prefix}-{j:06d}"
 
@@ -61,7 +90,7 @@ def check_manifest(out: Path, manifest: dict, compared: tuple[str, ...]) -> None
     """Refuse a folder made from other inputs or arguments; start a new one."""
     path = out / MANIFEST
     if path.is_file():
-        differ = _differences(json.loads(path.read_text()), manifest, compared)
+        differ = _differences(read_manifest(out), manifest, compared)
         if differ:
             raise ClpError(
                 f"{out} holds data made with other {'; '.join(differ)}; resume with the "
@@ -178,14 +207,32 @@ def shard_folders(out: Path, heldout: bool = False) -> list[Path]:
     prefix = HELD if heldout else TRAIN
     found = []
     for side in sorted(out.glob(f"{TRAIN}-*.json")):
-        names = json.loads(side.read_text())["folders"]
+        names = sidecar_folders(side)
         found += [out / n for n in names if n.startswith(prefix + "-")]
     return found
 
 
+# A shard's arrays: their dimensions and kinds of number (the rest, e.g. "kind", unchecked).
+ARRAYS = {"tokens": (2, "iu"), "hidden": (3, "f"), "prompt_len": (1, "iu"), "row_len": (1, "iu")}
+
+
 def load_shard(folder: Path) -> dict[str, np.ndarray]:
-    """A shard folder's arrays, memory-mapped (hidden states are most of the bytes)."""
-    return {f.stem: np.load(f, mmap_mode="r") for f in sorted(folder.glob("*.npy"))}
+    """A shard folder's arrays, memory-mapped (hidden states are most of the
+    bytes); a ClpError when one is missing, unreadable or of the wrong shape."""
+    try:
+        arrays = {f.stem: np.load(f, mmap_mode="r") for f in sorted(folder.glob("*.npy"))}
+    except (OSError, ValueError, EOFError) as e:
+        raise ClpError(f"{folder}: a shard file cannot be read ({str(e)[:120]})") from None
+    for key, (dims, kinds) in ARRAYS.items():
+        a = arrays.get(key)
+        if a is None or a.ndim != dims or a.dtype.kind not in kinds:
+            raise ClpError(f"{folder}: not a whole shard ({key}.npy missing or malformed)")
+    rows = arrays["tokens"].shape[0]
+    if arrays["hidden"].shape[:2] != arrays["tokens"].shape or any(
+        arrays[k].shape[0] != rows for k in ("prompt_len", "row_len")
+    ):
+        raise ClpError(f"{folder}: not a whole shard (its arrays disagree on rows or length)")
+    return arrays
 
 
 def totals(out: Path) -> dict:
@@ -193,7 +240,7 @@ def totals(out: Path) -> dict:
     count = {"shards": 0, TRAIN: 0, HELD: 0, "positions": 0}
     for side in sorted(out.glob(f"{TRAIN}-*.json")):
         count["shards"] += 1
-        for name, info in json.loads(side.read_text())["folders"].items():
+        for name, info in sidecar_folders(side).items():
             count[name.split("-")[0]] += info["rows"]
             count["positions"] += info["positions"]
     prompts = set()
@@ -207,8 +254,8 @@ def totals(out: Path) -> dict:
 def describe(out: Path) -> dict:
     """A data folder for a training report: its kind, source names, settings
     and totals (no paths: the report names no one's folders)."""
-    manifest = json.loads((out / MANIFEST).read_text())
-    sources = manifest.get("sources", {})
+    manifest = read_manifest(out)
+    sources = manifest.get("sources") if isinstance(manifest.get("sources"), dict) else {}
     about = {
         "folder": out.name,
         "model": Path(sources["model"]).name if sources.get("model") else None,

@@ -26,6 +26,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..model import backbone
+from ..errors import ClpError
 from ..model.heads import MTPBundle
 from ..paths import atomic_file
 
@@ -171,7 +172,12 @@ def load_checkpoint(folder: Path, config: dict, defaults: dict | None = None):
     if not path.is_file():
         return None
     arrays, metadata = mx.load(str(path), return_metadata=True)
-    meta = json.loads(metadata.get("meta", "{}"))
+    try:
+        meta = json.loads(metadata.get("meta", "{}"))
+    except (ValueError, RecursionError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise ClpError(f"{path}: not a checkpoint of this project; remove it, or use another --out")
     saved = meta.get("config")
     if defaults is not None and isinstance(saved, dict):
         saved = {**defaults, **saved}
