@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_chat import write_chat_model
 
 from clp_mlx import api
-from clp_mlx.cli import bench, bench_step, chat, distill, generate, train
+from clp_mlx.cli import bench, bench_step, chat, convert, distill, generate, train
 from clp_mlx.cli.args import guarded
 from clp_mlx.errors import ClpError
 from clp_mlx.model.backbone import load_backbone
@@ -109,6 +109,14 @@ def test_every_command_is_one_line_and_takes_debug(folder, tmp_path, capsys):
         one_error(main, argv, capsys, "llama")
         with pytest.raises(ClpError, match="llama"):  # --debug: the traceback, for bug reports
             guarded(lambda: main([*argv, "--debug"]), [*argv, "--debug"])
+
+
+def test_convert_is_one_line_and_takes_debug_after_its_subcommand(tmp_path, capsys):
+    argv = ["heads-to-package", str(tmp_path / "none"), "qwen2.5-coder-0.5b-instruct"]
+    one_error(convert.main, argv, capsys, "holds no heads")
+    for debug in ([*argv, "--debug"], ["--debug", *argv]):
+        with pytest.raises(ClpError, match="holds no heads"):
+            convert.main(debug)
 
 
 @pytest.mark.parametrize(

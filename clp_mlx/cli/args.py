@@ -25,8 +25,13 @@ _MLX_FILE_ERROR = re.compile(r"^\[(load|read|safetensor|gguf|save)\w*\]")
 def parser(prog: str, description: str | None = None) -> argparse.ArgumentParser:
     """A command's argument parser, with the ``--debug`` flag every command takes."""
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument(DEBUG, action="store_true", help="show the traceback of an error (for bug reports)")
+    add_debug(p)
     return p
+
+
+def add_debug(p: argparse.ArgumentParser) -> None:
+    p.add_argument(DEBUG, action="store_true",
+                   help="show the traceback of an error (for bug reports)")  # fmt: skip
 
 
 def guarded(main: Callable[[], int | None], argv: Sequence[str] | None = None) -> int:

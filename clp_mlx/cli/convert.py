@@ -22,7 +22,7 @@ from ..model.heads_files import read_config
 from ..sources import gguf, hf
 from ..sources.packaging import package_heads
 from ..sources.torch_heads import convert_torch_heads
-from .args import add_model_output_args, guarded
+from .args import add_debug, add_model_output_args, guarded, parser, run
 
 PROG = "python -m clp_mlx.cli.convert"
 MLX_FOLDER = "an MLX model folder (config, safetensors, tokenizer)"
@@ -74,16 +74,17 @@ def _heads_to_package(args) -> None:
     print(json.dumps({"shipped": str(dest), **summary}))
 
 
-def _add(commands, name: str, run: Callable, description: str) -> argparse.ArgumentParser:
+def _add(commands, name: str, action: Callable, description: str) -> argparse.ArgumentParser:
     p = commands.add_parser(name, help=description, description=description)
-    p.set_defaults(run=run)
+    add_debug(p)  # after the subcommand too: "convert gguf F --debug"
+    p.set_defaults(run=action)
     return p
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     """The converters' options, a subcommand each."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    top = parser(PROG, __doc__.splitlines()[0])
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = _add(commands, "gguf", _gguf, f"Convert a Qwen2 GGUF file into {MLX_FOLDER}.")
     p.add_argument("gguf", help="path to the .gguf file")
     add_model_output_args(p, gguf.DTYPES, gguf.Q_BITS, gguf.Q_GROUP_SIZES)
@@ -121,13 +122,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = _add(commands, "heads-to-package", _heads_to_package, about)
     p.add_argument("heads", help="a trained heads folder (python -m clp_mlx.train --out ...)")
     p.add_argument("model", help="the named default model these heads belong to")
-    return parser
+    return top
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one converter; returns the process exit status."""
     args = setup_arg_parser().parse_args(argv)
-    return guarded(lambda: args.run(args))
+    return guarded(lambda: args.run(args), argv)
 
 
 def subcommand(name: str) -> Callable[[list[str] | None], int]:
@@ -140,7 +141,7 @@ def subcommand(name: str) -> Callable[[list[str] | None], int]:
 
 
 def cli() -> None:
-    sys.exit(main())
+    run(main)  # main guards its own errors; run also fills closed standard descriptors
 
 
 if __name__ == "__main__":
