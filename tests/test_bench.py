@@ -264,3 +264,17 @@ def test_bench_step_reports_the_pass_widths_and_the_host_work(tmp_path, capsys):
     for row in ("backbone x1", "backbone x4", "verify step (4 fed)", "heads' drafts after the pass"):
         assert f"| {row} |" in out, row
     assert "| detokenize one token |" in out and "| context drafter (extend + propose) |" in out
+
+
+def test_several_prompt_files_are_benched_one_after_another(tmp_path):
+    folder = write_model_folder(tmp_path / "tiny", tiny_model(0))
+    (tmp_path / "a.txt").write_text("ab\ncd\n")
+    (tmp_path / "b.jsonl").write_text('{"prompt": "ef"}\n')
+    out = tmp_path / "out.json"
+    argv = ["--model", str(folder), "--modes", "ar", "-m", "2", "--json", str(out)]
+    assert main([*argv, "--prompts", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]) == 0
+    report = json.loads(out.read_text())
+    assert report["prompts"]["count"] == 3 and report["prompts"]["file"].endswith("b.jsonl")
+    assert main([*argv, "--num-prompts", "2", "--prompts", str(tmp_path / "b.jsonl"),
+                 str(tmp_path / "a.txt")]) == 0  # fmt: skip
+    assert json.loads(out.read_text())["prompts"]["count"] == 2

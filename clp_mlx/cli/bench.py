@@ -71,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", help="mlx-lm-draft's draft model, for every bigger model")
     p.add_argument("--draft-tokens", type=int, default=3, help="mlx-lm-draft's drafts per pass")
     p.add_argument("--wikitext", help="WikiText-2 raw test file (the paper's prompts)")
-    p.add_argument("--prompts", help="instructions: JSONL (prompt / turns) or one per line")
+    p.add_argument("--prompts", nargs="+", metavar="FILE",
+                   help="instructions: JSONL (prompt / turns) or one per line; "
+                   "several files: their prompts one file after another")  # fmt: skip
     p.add_argument("--chat-template", default="auto", help="auto (default), always or never")
     p.add_argument("--num-prompts", type=int, help="default 15 (--quick: 3)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="cut WikiText prompts to this")
@@ -189,8 +191,8 @@ def main(argv=None) -> int:
         kind, source = "wikitext", args.wikitext
         texts = wikitext_prompts(args.wikitext, args.num_prompts)
     else:
-        kind, source = "instruction", args.prompts
-        texts = instruction_prompts(args.prompts, args.num_prompts)
+        kind, source = "instruction", ", ".join(args.prompts)
+        texts = [t for f in args.prompts for t in instruction_prompts(f)][: args.num_prompts]
     import mlx.core as mx
 
     from ..api import load_with_drafter as load
