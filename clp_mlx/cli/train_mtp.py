@@ -125,8 +125,8 @@ def _check_args(args, cfg: MTPTrainConfig) -> None:
         new = settings.get("new_tokens") if isinstance(settings, dict) else None
         if isinstance(new, int) and cfg.depths >= new:
             raise ClpError(
-                f"--depths {cfg.depths}: the rows of {d} continue for {new} tokens, "
-                f"and the deepest draft needs one that far on (at most {new - 1})"
+                f"--depths {cfg.depths}: the rows of {d} continue for {new} tokens; "
+                f"drafting from them, a depth past {new - 1} has no target"
             )
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ClpError(f"--out {args.out} is a file, not a folder")
