@@ -10,8 +10,8 @@ after one warm-up run of each.
 
 Prompts: ``--wikitext FILE``, the paper's (the first paragraph of each of the
 first N WikiText-2 test articles, cut to ``--prompt-tokens``), or ``--prompts
-FILE``, instructions kept whole (JSONL with "prompt" or MT-Bench "turns",
-first turn; or one prompt per line).
+FILE [FILE ...]``, instructions kept whole (JSONL with "prompt" or MT-Bench
+"turns", first turn; or one prompt per line), file after file.
 
 Chat template rule (``--chat-template``, default ``auto``): instruction
 prompts from ``--prompts`` are wrapped in the tokenizer's chat template (a
@@ -110,7 +110,7 @@ def settings(argv=None) -> argparse.Namespace:
     if args.chat_template not in CHAT_TEMPLATE_CHOICES:
         raise ClpError(f"--chat-template must be one of {', '.join(CHAT_TEMPLATE_CHOICES)}")
     if bool(args.wikitext) == bool(args.prompts):
-        raise ClpError("give exactly one of --wikitext FILE or --prompts FILE")
+        raise ClpError("give exactly one of --wikitext FILE or --prompts FILE [FILE ...]")
     if "mlx-lm-draft" in args.modes and not args.draft_model:
         raise ClpError("mode mlx-lm-draft needs --draft-model (a smaller model, same tokenizer)")
     if len(args.model) > 1 and args.heads not in (None, "init", "none"):
