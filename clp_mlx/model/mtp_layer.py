@@ -153,17 +153,16 @@ class MTPLayer(nn.Module):
         causal = mx.arange(length)[None] <= mx.arange(first, length)[:, None]
         feature, outs, own_k, own_v = None, [], [], []
         for j in range(1, depths + 1):
-            if j == 1:
+            if j == 1:  # every anchor's keys; queries from the first on
                 x = self.fuse(h, tokens_emb(1))
-            else:
-                emb = tokens_emb(j)[:, first:] if drafted is None else drafted(feature)
-                x = self.fuse(self.readout(final_norm, feature), emb)
-            q, k, v = self.qkv(x, first + j - 1 if j > 1 else 0)
-            if j == 1:
+                q, k, v = self.qkv(x, 0)
                 x, q = x[:, first:], q[:, :, first:]
                 k1 = mx.repeat(k, groups, axis=1)
                 v1 = mx.repeat(v, groups, axis=1)
             else:
+                emb = tokens_emb(j)[:, first:] if drafted is None else drafted(feature)
+                x = self.fuse(self.readout(final_norm, feature), emb)
+                q, k, v = self.qkv(x, first + j - 1)
                 own_k.append(mx.repeat(k, groups, axis=1))
                 own_v.append(mx.repeat(v, groups, axis=1))
             scores = (q * attn.scale) @ k1.swapaxes(-1, -2)  # (B, H, L - first, L)

@@ -25,8 +25,8 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..model import backbone
 from ..errors import ClpError
+from ..model import backbone
 from ..model.heads import MTPBundle
 from ..paths import atomic_file
 
