@@ -47,7 +47,8 @@ def narrow(folder):
 
 
 CASES = {
-    "manifest not JSON": (lambda d: rewrite(d / "manifest.json", "{oops"), "not a self-distilled"),
+    "manifest not JSON": (lambda d: rewrite(d / "manifest.json", "{oops"),
+                          "not a valid JSON self-distilled"),  # fmt: skip
     "manifest a list": (lambda d: rewrite(d / "manifest.json", "[]"), "not a self-distilled"),
     "sidecar empty": (lambda d: rewrite(d / "shard-000000.json", "{}"), "not a shard sidecar"),
     "sidecar a list": (lambda d: rewrite(d / "shard-000000.json", "[]"), "not a shard sidecar"),

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import ClpError
 from ..paths import atomic_folder, write_text
+from ..sources.converting import read_json
 
 MANIFEST = "manifest.json"
 LOCKS = ".locks"
@@ -39,12 +40,7 @@ PAD = -1  # token id of the positions after a row's end (rows of a shard differ 
 
 def read_object(path: Path, what: str) -> dict:
     """``path``'s JSON object; a ClpError naming it when it is not one."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ClpError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, RecursionError):  # JSON and UTF-8 errors are ValueErrors
-        value = None
+    value = read_json(path, what)
     if not isinstance(value, dict):
         raise ClpError(f"{path} is not a {what}: remove the folder, or make it again")
     return value
@@ -138,12 +134,12 @@ def owning(out: Path, j: int) -> Iterator[bool]:
 def is_complete(out: Path, j: int) -> bool:
     """The shard's sidecar is there and every folder it names matches its sha256."""
     try:
-        folders = json.loads(sidecar(out, j).read_text())["folders"]
+        folders = sidecar_folders(sidecar(out, j))
         return all(
             (out / name).is_dir() and folder_sha256(out / name) == info["sha256"]
             for name, info in folders.items()
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ClpError, OSError, KeyError, TypeError):
         return False
 
 
