@@ -13,6 +13,7 @@ from conftest import decode_pairs, tiny_model
 from clp_mlx import api
 from clp_mlx.decode.choose import make_drafter
 from clp_mlx.decode.drafters import PassDrafts
+from clp_mlx.decode.feed import best_feed, deeper_cannot_pay
 from clp_mlx.decode.mtp_drafter import MTPDrafter, run_scores
 from clp_mlx.decode.sampling import Sampling
 from clp_mlx.errors import ClpError
@@ -122,3 +123,46 @@ def test_make_drafter_picks_the_mtp_drafter(setup):
     model, bundle, _, _ = setup
     config = api.decode_config(max_tokens=4).resolve(model, bundle)
     assert isinstance(make_drafter(model, bundle, config, [], 1, start=5), MTPDrafter)
+
+
+def test_a_stop_rule_cuts_the_depths_and_no_run_reaches_them(setup):
+    model, bundle, tokens, hidden = setup
+    seen = []
+
+    def after_one(alive):
+        seen.append(list(alive))
+        return True
+
+    full, cut = MTPDrafter(model, bundle), MTPDrafter(model, bundle, stop=after_one)
+    for d in (full, cut):
+        d.prompt(hidden[:9], tokens[1:10])
+    fed = PassDrafts(None, None, None, fed=hidden[9:10])
+    whole, short = full.observe([tokens[10].item()], fed), cut.observe([tokens[10].item()], fed)
+    assert len(seen) == 1 and seen[0][0] == 1.0 and 0 < seen[0][1] <= 1
+    assert cut.candidates(3, 1) == [full.candidates(3, 1)[0][:1]]
+    assert len(short) == len(whole) == 4 and short[0] == pytest.approx(whole[0], abs=1e-5)
+    assert max(short[2:]) < -25  # log(1e-12): no run of 2+ drafts
+    assert cut.offset == full.offset == 10
+
+
+def test_deeper_drafts_are_cut_only_where_they_cannot_change_the_feed():
+    """Wherever the rule stops at depth d, the feed chosen from the chances
+    padded with zeros after d is the one chosen from all of them."""
+    rng = np.random.default_rng(0)
+    stops = 0
+    for _ in range(2000):
+        k = int(rng.integers(2, 6))
+        p = rng.uniform(0, 1, k) ** rng.uniform(0.2, 3)
+        costs = list(1 + np.cumsum(np.r_[0, rng.uniform(0.02, 0.3, k)]))  # 1 token: 1
+        for d in range(1, k):
+            alive = [1.0, *np.cumprod(p[:d])]
+            if deeper_cannot_pay(alive, costs):
+                stops += 1
+                padded = np.concatenate([p[:d], np.zeros(k - d)])
+                want = best_feed(list(np.exp(np.array(run_scores(mx.array(p))))), costs, k)
+                got = best_feed(list(np.exp(np.array(run_scores(mx.array(padded))))), costs, k)
+                assert got == want <= d
+                break
+    assert 300 < stops < 1900  # both cases happen
+    assert not deeper_cannot_pay([1.0, 0.9], [1.0, 1.1, 1.2])  # a likely draft: go on
+    assert deeper_cannot_pay([1.0, 0.05], [1.0, 1.1, 1.2])  # an unlikely one: stop

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .copies_first import CopiesFirst
 from .drafters import CopyDrafter, CopyThenHeads, Drafter, HeadsDrafter
+from .feed import depth_rule
 from .mtp_drafter import MTPDrafter
 
 
@@ -17,7 +18,7 @@ def make_drafter(
     if heads is None:
         return CopyDrafter(config.draft_len, tokens)
     if heads.config.design == "mtp":
-        layer = MTPDrafter(model, heads, start)
+        layer = MTPDrafter(model, heads, start, depth_rule(model, config, heads.k))
         if not config.context_drafts:
             return layer
         return CopiesFirst(layer, tokens, heads.config.lookup, config.draft_len)

@@ -2,10 +2,12 @@
 
 Feeding m drafts costs a backbone pass over m+1 tokens. On a GPU that is
 nearly the price of one token; on a CPU it is not (here, fp32 0.5B with the
-few-row kernel: about 1.1x for 2 tokens, 1.55x for 4). With CLP's probabilities P(L = l) for the run of
-correct drafts, feeding m drafts commits 1 + E[min(L, m)] tokens, and
-E[min(L, m)] = sum_{j<=m} P(L >= j). ``feed="cost"`` feeds the m that
-maximises committed tokens per unit of pass time. Pass costs are measured
+few-row kernel: about 1.1x for 2 tokens, 1.55x for 4). With CLP's
+probabilities P(L = l) for the run of correct drafts, feeding m drafts
+commits 1 + E[min(L, m)] tokens, and E[min(L, m)] = sum_{j<=m} P(L >= j).
+``feed="cost"`` feeds the m that maximises committed tokens per unit of pass
+time; a drafter that drafts depth by depth (the MTP layer) stops where no
+deeper draft could change that choice (:func:`deeper_cannot_pay`). Pass costs are measured
 once per backbone, device and BLAS (a few passes on a scratch cache, about a
 second on the 0.5B) and kept in ``pass_costs.json`` in the model cache.
 
@@ -101,6 +103,35 @@ def best_feed(probs: list[float], costs: list[float], m_max: int) -> int:
         if rate > best_rate:
             best, best_rate = m, rate
     return best
+
+
+def deeper_cannot_pay(alive: list[float], costs: list[float]) -> bool:
+    """Whether no feed of more than ``d`` drafts can beat the best of 0..d,
+    with ``alive[j]`` = P(L >= j) known for j = 0..d (``alive[0]`` = 1) and
+    ``costs`` as in :func:`best_feed`, up to the deepest feed possible.
+
+    Each draft after the d-th is accepted with chance at most ``alive[d]``,
+    so feeding m > d commits at most ``1 + E[min(L, d)] + (m - d) alive[d]``
+    tokens. When even that is no better per unit of time (:func:`best_feed`
+    moves only on a strictly better rate), the deeper drafts cannot change
+    its choice: a drafter may stop drafting there.
+    """
+    d = len(alive) - 1
+    expected = [sum(alive[: m + 1]) for m in range(min(d + 1, len(costs)))]
+    best = max(e / c for e, c in zip(expected, costs))
+    return all(
+        (expected[d] + (m - d) * alive[d]) / costs[m] <= best for m in range(d + 1, len(costs))
+    )
+
+
+def depth_rule(model, config, k: int):
+    """For a drafter of ``k`` depths: a function of the chances so far that
+    says when to stop drafting (:func:`deeper_cannot_pay`), or None where
+    the feed does not follow the pass costs (only verify's does)."""
+    if config.mode != "verify" or config.feed != "cost":
+        return None
+    costs = pass_costs(model, config.draft_len + 1)[: k + 1]  # the widths verify asks for
+    return lambda alive: deeper_cannot_pay(alive, costs)
 
 
 STALE = 1.5  # a stored 1-token pass this many times slower than one now is measured again

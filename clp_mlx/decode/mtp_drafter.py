@@ -25,9 +25,12 @@ from .drafters import PassDrafts
 class MTPDrafter:
     in_pass = False  # drafts after the pass: it needs the accepted positions first
 
-    def __init__(self, model, bundle, start: int = 0):
+    def __init__(self, model, bundle, start: int = 0, stop=None):
+        """``stop``: given P(run >= j) for the depths drafted so far (j = 0..d),
+        whether the deeper drafts cannot matter (:func:`.feed.depth_rule`);
+        None: always draft all ``k``."""
         self.model, self.bundle, self.layer = model, bundle, bundle.mtp
-        self.k = bundle.k
+        self.k, self.stop = bundle.k, stop
         self.past = None  # (keys, values) of the committed positions
         self.offset = start  # the backbone position the next committed entry takes
         # Committed tokens whose positions are not in the cache yet (the
@@ -77,7 +80,7 @@ class MTPDrafter:
         """Greedy drafts after ``last`` through the layer's depths, and the
         probability the layer gave each (over the draft vocabulary)."""
         past, tokens, probs, prev = self.past, [], [], mx.array([last])
-        temps = temperatures(self.bundle)
+        temps, alive = temperatures(self.bundle), [1.0]
         out = self.layer.readout(self.model.model.norm, g[0])
         for depth in range(self.k):
             if depth:  # the next depth reads what the projection read
@@ -90,6 +93,12 @@ class MTPDrafter:
             probs.append(draft_chance(scores[0], temps[depth]))
             prev = best if ids is None else ids[best]
             tokens.append(prev[0])
+            if self.stop is not None and depth + 1 < self.k:
+                alive.append(alive[-1] * probs[-1].item())  # evaluates this depth
+                if self.stop(alive):
+                    break
+        # Depths not drafted: chance 0, so no run reaches them.
+        probs += [mx.zeros_like(probs[0])] * (self.k - len(probs))
         return mx.stack(tokens), mx.stack(probs)
 
     def can_branch(self) -> bool:
