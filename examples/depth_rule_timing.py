@@ -25,18 +25,29 @@ from clp_mlx import api
 from clp_mlx.bench.prompts import encode_prompts, instruction_prompts, wikitext_prompts
 from clp_mlx.decode import choose
 from clp_mlx.decode.loop import decode
+from clp_mlx.errors import ClpError
 
-name, kind = sys.argv[1], sys.argv[5]
-n, new, rounds = (int(a) for a in sys.argv[2:5])
-model, tokenizer, heads = api.load_with_drafter(name)
-here = Path(__file__).parent
-if kind != "chat":
-    texts, how = wikitext_prompts(kind, n), "wikitext"
-else:
-    texts = [*instruction_prompts(str(here / "instructions.jsonl")),
-             *instruction_prompts(str(here / "code_edits.jsonl"))][:n]  # fmt: skip
-    how = "instruction"
-prompts, _ = encode_prompts(tokenizer, texts, how)
+USAGE = "usage: depth_rule_timing.py MODEL PROMPTS NEW_TOKENS ROUNDS {WIKI.TEST.RAW,chat}"
+try:
+    name, kind = sys.argv[1], sys.argv[5]
+    n, new, rounds = (int(a) for a in sys.argv[2:5])
+    assert len(sys.argv) == 6 and min(n, new, rounds) > 0
+except (IndexError, ValueError, AssertionError):
+    sys.exit(USAGE)
+try:
+    model, tokenizer, heads = api.load_with_drafter(name)
+    here = Path(__file__).parent
+    if kind != "chat":
+        texts, how = wikitext_prompts(kind, n), "wikitext"
+    else:
+        texts = [*instruction_prompts(str(here / "instructions.jsonl")),
+                 *instruction_prompts(str(here / "code_edits.jsonl"))][:n]  # fmt: skip
+        how = "instruction"
+    prompts, _ = encode_prompts(tokenizer, texts, how)
+except ClpError as e:
+    sys.exit(f"depth_rule_timing.py: {e}")
+if heads is None or heads.config.design != "mtp":
+    sys.exit(f"depth_rule_timing.py: {name} has no MTP-layer drafter to time")
 
 stops, real_rule = Counter(), choose.depth_rule
 
@@ -81,6 +92,7 @@ for key in ("every depth", "depth rule"):
     print(f"{key}: {sum(med['ar']) / sum(med[key]):.3f}x over ar in all; per prompt median "
           f"{st.median(per):.3f}x ({min(per):.2f}-{max(per):.2f})")  # fmt: skip
 per = [a / b for a, b in zip(med["every depth"], med["depth rule"])]
+faster = sum(x > 1 for x in per)
 print(f"rule / every depth, per prompt: median {st.median(per):.3f} "
-      f"({min(per):.3f}-{max(per):.3f}), faster on {sum(x > 1 for x in per)} of {len(per)}")  # fmt: skip
+      f"({min(per):.3f}-{max(per):.3f}), faster on {faster} of {len(per)}")  # fmt: skip
 print("stops by depth (depth, stopped): count", dict(sorted(stops.items())))
