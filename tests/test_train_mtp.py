@@ -200,6 +200,33 @@ def test_init_from_starts_at_a_drafters_layer(root):
         main(train_argv(root, "x", "--init-from", str(root / "nowhere")))
 
 
+def test_keep_vocab_keeps_the_init_drafters_draft_vocabulary(root):
+    """--keep-vocab: the drafter trained from --init-from drafts from the same
+    token ids (the data here would choose others); it needs --init-from and
+    a --draft-vocab of its size."""
+    from clp_mlx.cli.train_mtp import _trainer, setup_arg_parser
+    from clp_mlx.model.heads_files import save_heads
+
+    if not (root / "one" / "drafter").is_dir():
+        assert main(train_argv(root, "one")) == 0
+    _, _, bundle = load_with_drafter(root / "tiny", root / "one" / "drafter")
+    theirs = np.arange(1, 128, 2)[:64]  # odd ids: not what the data chooses
+    assert not np.array_equal(np.array(bundle.draft_vocab), theirs)
+    bundle.set_draft_vocab(theirs)
+    drafter = str(save_heads(bundle, root / "odd"))
+    args = setup_arg_parser().parse_args(train_argv(root, "kept", "--init-from", drafter))
+    for keep in (False, True):
+        cfg = mtp_trainer.MTPTrainConfig(
+            depths=2, mlp_size=32, draft_vocab=len(theirs), init_from=drafter, keep_vocab=keep
+        )
+        ids = _trainer(args, cfg).vocab_ids
+        assert np.array_equal(ids, theirs) == keep
+    with pytest.raises(ClpError, match="give --draft-vocab"):
+        main([*train_argv(root, "x", "--init-from", drafter, "--keep-vocab"), "--draft-vocab", "9"])
+    with pytest.raises(ClpError, match="--keep-vocab keeps"):
+        main([*train_argv(root, "x"), "--keep-vocab"])
+
+
 def drop_setting(out, key):
     """Make the checkpoint in ``out`` look older: its config without ``key``."""
     from clp_mlx.train.trainer import CHECKPOINT

@@ -37,6 +37,8 @@ HELP = {
     "soft": "weight of the backbone's whole distribution as the target (1 - soft: its token)",
     "init_from": "a drafter folder (an MTP layer of these flags' shape, for this backbone) "
     "to start from, e.g. to go on training it on more data",
+    "keep_vocab": "with --init-from: keep its draft vocabulary (else --data chooses one), "
+    "e.g. to tune it on one kind of text without losing the tokens of the others",
 }
 FLAGS = tuple(HELP)
 
@@ -50,8 +52,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     defaults = MTPTrainConfig()
     for name in FLAGS:
         value = getattr(defaults, name)
-        shown = value if value != "" else "none"
-        p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
+        flag, shown = "--" + name.replace("_", "-"), value if value != "" else "none"
+        if isinstance(value, bool):
+            p.add_argument(flag, action="store_true", help=HELP[name])
+            continue
+        p.add_argument(flag, type=type(value), default=value,
                        help=f"{HELP[name]} (default {shown})")  # fmt: skip
     every = defaults.checkpoint_every
     p.add_argument("--checkpoint-every", type=int, default=every,
@@ -77,6 +82,8 @@ def main(argv=None) -> int:
         raise ClpError("--lr must be in (0, 1), --decay in (0, 1], --mlp-size and --warmup >= 0")
     if not 0 <= cfg.soft <= 1:
         raise ClpError("--soft must be in [0, 1]")
+    if cfg.keep_vocab and not cfg.init_from:
+        raise ClpError("--keep-vocab keeps the vocabulary of --init-from's drafter: give one")
     if not 0 <= args.lookup <= MAX_LOOKUP:
         raise ClpError(f"--lookup must be 0 to {MAX_LOOKUP}")
     _check_args(args, cfg)
@@ -201,16 +208,31 @@ def _trainer(args, cfg: MTPTrainConfig):
     mx.random.seed(cfg.seed)  # the same start in every run of these flags
     layer = MTPLayer(model.args, cfg.mlp_size)
     if cfg.init_from:
-        _start_from(layer, model, Path(cfg.init_from))
+        kept = _start_from(layer, model, Path(cfg.init_from))
+        if cfg.keep_vocab:
+            ids = _kept_vocab(kept, cfg)
     else:
         layer.start_as_backbone(model.model.norm)
     return MTPTrainer(model, layer, rows, cfg, ids)
 
 
-def _start_from(layer, model, folder: Path) -> None:
-    """``layer`` takes the MTP layer of the drafter in ``folder``. Its draft
-    vocabulary is not taken: the layer's weights do not depend on it (drafts
-    are read through the backbone's own output rows), and this run's data
+def _kept_vocab(ids, cfg: MTPTrainConfig):
+    """The init drafter's draft vocabulary, checked against --draft-vocab."""
+    import numpy as np
+
+    if ids is None:
+        raise ClpError(f"--keep-vocab: the drafter in {cfg.init_from} has no draft vocabulary")
+    if len(ids) != cfg.draft_vocab:
+        raise ClpError(f"--keep-vocab: the drafter in {cfg.init_from} drafts from {len(ids)} "
+                       f"tokens: give --draft-vocab {len(ids)}")  # fmt: skip
+    return np.asarray(ids)
+
+
+def _start_from(layer, model, folder: Path):
+    """``layer`` takes the MTP layer of the drafter in ``folder``; its draft
+    vocabulary (token ids, None for the whole) is returned, and used only with
+    --keep-vocab: the layer's weights do not depend on it (drafts are read
+    through the backbone's own output rows), so by default this run's data
     chooses its own."""
     import mlx.core as mx
     from mlx.utils import tree_map
@@ -224,6 +246,7 @@ def _start_from(layer, model, folder: Path) -> None:
         width = bundle.mtp.block.args.intermediate_size
         raise ClpError(f"--init-from {folder}: its layer has another shape (--mlp-size {width}?)")
     layer.update(tree_map(lambda a: a.astype(mx.float32), bundle.mtp.parameters()))
+    return bundle.draft_vocab.tolist() if "draft_vocab" in bundle else None
 
 
 HELD_ROWS = 32  # held-out rows checked at every checkpoint

@@ -44,11 +44,12 @@ class MTPTrainConfig:
     soft: float = 0.0  # weight of the backbone's distribution as the target (1 - soft: its token)
     feed: str = FEED  # what later depths read; checkpoints of an earlier layer are not resumed
     init_from: str = ""  # a drafter folder whose MTP layer starts the run ("": as the backbone)
+    keep_vocab: bool = False  # with init_from: its draft vocabulary, not one chosen from the data
 
 
 # Settings added since checkpoints recorded ``feed``: one without them was made
 # with these values. (One without ``feed`` read another input: never resumed.)
-ADDED = {"init_from": ""}
+ADDED = {"init_from": "", "keep_vocab": False}
 
 
 class MTPTrainer:
