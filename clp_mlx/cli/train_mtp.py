@@ -204,15 +204,17 @@ def _trainer(args, cfg: MTPTrainConfig):
 
     model, _, _ = load_with_drafter(args.model, "none")
     rows = Rows.for_model(args.data, model.args)
-    ids = draft_vocabulary(rows.greedy_tokens(), cfg.draft_vocab, model.args.vocab_size)
     mx.random.seed(cfg.seed)  # the same start in every run of these flags
     layer = MTPLayer(model.args, cfg.mlp_size)
+    kept = None
     if cfg.init_from:
         kept = _start_from(layer, model, Path(cfg.init_from))
-        if cfg.keep_vocab:
-            ids = _kept_vocab(kept, cfg)
     else:
         layer.start_as_backbone(model.model.norm)
+    if cfg.keep_vocab:
+        ids = _kept_vocab(kept, cfg)
+    else:
+        ids = draft_vocabulary(rows.greedy_tokens(), cfg.draft_vocab, model.args.vocab_size)
     return MTPTrainer(model, layer, rows, cfg, ids)
 
 
