@@ -328,3 +328,48 @@ def test_magpie_draws_again_for_empty_or_repeated_questions(monkeypatch):
 
     got = magpie.magpie_prompts(None, Letters(), range(4), cap=4, batch=8, seed=0)
     assert [(i, "".join(map(chr, p))) for i, p in got] == [(0, "c"), (1, "a"), (2, "d"), (3, "b")]
+
+
+def test_magpie_answers_the_questions_of_another_magpie_folder(chat_folder, tmp_path):
+    common = ["--model", str(chat_folder), "--kind", "magpie", "--new-tokens", "4", "--batch", "2",
+              "--shard-size", "3", "--heldout", "0.3", "--quiet"]  # fmt: skip
+    asked, answered = tmp_path / "asked", tmp_path / "answered"
+    assert main(common + ["--out", str(asked), "--prompts", "6", "--prompt-tokens", "8"]) == 0
+    assert main(common + ["--out", str(answered), "--prompts", "5", "--data", str(asked)]) == 0
+
+    def rows(out):
+        got = {}
+        for heldout in (False, True):
+            for folder in store.shard_folders(out, heldout):
+                a = store.load_shard(folder)
+                for i, t, n, length in zip(a["index"], a["tokens"], a["prompt_len"], a["row_len"]):
+                    got[int(i)] = (t[:n].tolist(), t[n:length].tolist(), heldout)
+        return got
+
+    before, after = rows(asked), rows(answered)
+    # the same questions, answered greedily by the (same) model, held out alike
+    assert sorted(after) == [i for i in sorted(before) if i < 5] and len(after) >= 4
+    assert all(after[i] == before[i] for i in after)
+    assert any(held for _, _, held in before.values())  # the held-out split is exercised
+
+
+def test_magpie_refuses_questions_it_cannot_use(chat_folder, tmp_path):
+    asked = tmp_path / "asked"
+    args = ["--model", str(chat_folder), "--kind", "magpie", "--new-tokens", "2", "--batch", "2",
+            "--shard-size", "2", "--heldout", "0", "--quiet"]  # fmt: skip
+    assert main(args + ["--out", str(asked), "--prompts", "2"]) == 0
+    with pytest.raises(ClpError, match="questions up to prompt 1 only; lower --prompts to 2"):
+        main(args + ["--out", str(tmp_path / "b"), "--prompts", "3", "--data", str(asked)])
+    manifest = json.loads((asked / "manifest.json").read_text())
+    manifest["settings"]["kind"] = "wikitext"
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ClpError, match="is not magpie data"):
+        main(args + ["--out", str(tmp_path / "c"), "--prompts", "1", "--data", 
+             str(tmp_path / "text")])
+    folder = store.shard_folders(asked)[0]
+    tokens = np.load(folder / "tokens.npy")
+    tokens[:, 0] += 1  # no longer this template's prefix
+    np.save(folder / "tokens.npy", tokens)
+    with pytest.raises(ClpError, match="in another chat template"):
+        main(args + ["--out", str(tmp_path / "d"), "--prompts", "1", "--data", str(asked)])

@@ -36,7 +36,8 @@ def parse(argv=None) -> argparse.Namespace:
         "--data",
         nargs="+",
         default=[],
-        help="wikitext: text files; code: .py files or folders (walked for *.py)",
+        help="wikitext: text files; code: .py files or folders (walked for *.py); "
+        "magpie: data folders whose questions to answer (default: sample new ones)",
     )
     p.add_argument("--prompts", type=int, required=True, help="prompt indices (rows) to make")
     p.add_argument(

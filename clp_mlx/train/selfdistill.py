@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import ClpError
 from ..model import backbone
 from . import selfdistill_store as store
-from .selfdistill_magpie import inputs_digest, magpie_prompts
+from .selfdistill_magpie import asked_prompts, inputs_digest, magpie_prompts
 from .selfdistill_prompts import text_prompts
 
 KINDS = ("wikitext", "code", "magpie")
@@ -139,9 +139,10 @@ def continue_rows(model, prompts: list[tuple[int, np.ndarray]], new_tokens: int,
 def prompt_source(model, tokenizer, settings: Settings, data: list[str]):
     """(prompts of a shard's indices, sha256 of the inputs' content)."""
     s = settings
+    if s.kind == "magpie" and data:  # questions already written: answer them
+        asked, digest = asked_prompts(tokenizer, data, s.prompts)
+        return (lambda indices: [(i, asked[i]) for i in indices if i in asked]), digest
     if s.kind == "magpie":
-        if data:
-            raise ClpError("--kind magpie writes its own prompts; it takes no --data")
 
         def sampled(indices):
             return magpie_prompts(

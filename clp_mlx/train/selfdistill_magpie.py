@@ -141,3 +141,46 @@ def magpie_prompts(
             elif attempt + 1 < ATTEMPTS:
                 pending.append((i, attempt + 1))
     return [(i, chat_prompt(tokenizer, chosen[i])) for i in sorted(chosen)]
+
+
+def asked_prompts(tokenizer, folders: list[str], count: int) -> tuple[dict[int, np.ndarray], str]:
+    """The chat prompts of prompt indices ``0..count-1`` in magpie data
+    ``folders`` already made (e.g. by a smaller model of the same family,
+    whose questions cost a larger one most of its time to write), and a
+    sha256 of them. Every prompt must be in this tokenizer's chat template:
+    the same prefix before the question and the same opening of the answer."""
+    from pathlib import Path
+
+    from . import selfdistill_store as store
+
+    prefix = user_prefix(tokenizer)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
+    )
+    tail = tokenizer.encode(text[text.index(_MARK) + len(_MARK) :], add_special_tokens=False)
+    prompts: dict[int, np.ndarray] = {}
+    for given in folders:
+        folder = Path(given)
+        kind = store.read_manifest(folder).get("settings", {}).get("kind")
+        if kind != "magpie":
+            raise ClpError(f"{given} is not magpie data (its kind is {kind!r}): no questions in it")
+        for shard in store.shard_folders(folder) + store.shard_folders(folder, heldout=True):
+            a = store.load_shard(shard)
+            if "index" not in a:
+                raise ClpError(f"{shard}: not a whole shard (index.npy missing)")
+            for i, t, n in zip(a["index"], a["tokens"], a["prompt_len"]):
+                p = np.asarray(t[:n], dtype=np.int32)
+                if p[: len(prefix)].tolist() != prefix or p[len(p) - len(tail) :].tolist() != tail:
+                    raise ClpError(f"{given}: its questions are in another chat template")
+                if int(i) < count:
+                    prompts.setdefault(int(i), p)
+    top = max(prompts, default=-1)
+    if top < count - 1:
+        raise ClpError(
+            f"the magpie data given holds questions up to prompt {top} only; "
+            f"lower --prompts to {top + 1} or make more questions"
+        )
+    digest = hashlib.sha256(b"magpie questions\0")
+    for i in sorted(prompts):
+        digest.update(i.to_bytes(8, "little") + prompts[i].astype("<i4").tobytes())
+    return prompts, digest.hexdigest()
