@@ -365,7 +365,7 @@ def test_magpie_refuses_questions_it_cannot_use(chat_folder, tmp_path):
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ClpError, match="is not magpie data"):
-        main(args + ["--out", str(tmp_path / "c"), "--prompts", "1", "--data", 
+        main(args + ["--out", str(tmp_path / "c"), "--prompts", "1", "--data",
              str(tmp_path / "text")])
     folder = store.shard_folders(asked)[0]
     tokens = np.load(folder / "tokens.npy")
