@@ -37,18 +37,25 @@ ATTEMPTS = 4  # draws per prompt index before it is given up (it then has no row
 _MARK = "\x00clp-magpie\x00"
 
 
-def user_prefix(tokenizer) -> list[int]:
-    """The chat template rendered up to where the user's text starts."""
+def around_question(tokenizer) -> tuple[list[int], list[int]]:
+    """The chat template's tokens before a user's text, and after it up to the answer."""
     if not getattr(tokenizer, "chat_template", None):
         raise ClpError(
             "--kind magpie needs an instruct model with a chat template; this one has none"
         )
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=False
+        [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
     )
     if text.count(_MARK) != 1:
         raise ClpError("cannot find where the user's text starts in this model's chat template")
-    return tokenizer.encode(text[: text.index(_MARK)], add_special_tokens=False)
+    before, after = text.split(_MARK)
+    encode = tokenizer.encode
+    return encode(before, add_special_tokens=False), encode(after, add_special_tokens=False)
+
+
+def user_prefix(tokenizer) -> list[int]:
+    """The chat template rendered up to where the user's text starts."""
+    return around_question(tokenizer)[0]
 
 
 def chat_prompt(tokenizer, question: str) -> np.ndarray:
@@ -153,11 +160,7 @@ def asked_prompts(tokenizer, folders: list[str], count: int) -> tuple[dict[int, 
 
     from . import selfdistill_store as store
 
-    prefix = user_prefix(tokenizer)
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True
-    )
-    tail = tokenizer.encode(text[text.index(_MARK) + len(_MARK) :], add_special_tokens=False)
+    prefix, tail = around_question(tokenizer)
     prompts: dict[int, np.ndarray] = {}
     for given in folders:
         folder = Path(given)
