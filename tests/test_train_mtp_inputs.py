@@ -54,6 +54,9 @@ CASES = {
     "sidecar a list": (lambda d: rewrite(d / "shard-000000.json", "[]"), "not a shard sidecar"),
     "shard folder gone": (lambda d: shutil.rmtree(shard(d)), "not a whole shard"),
     "hidden gone": (lambda d: (shard(d) / "hidden.npy").unlink(), "not a whole shard"),
+    "index gone": (lambda d: (shard(d) / "index.npy").unlink(), "index.npy missing"),
+    "index of other rows": (lambda d: np.save(shard(d) / "index.npy", np.zeros(1, np.int64)),
+                            "disagree on rows"),  # fmt: skip
     "hidden 2-D": (lambda d: np.save(shard(d) / "hidden.npy", np.zeros((3, 4), np.float16)),
                    "not a whole shard"),  # fmt: skip
     "a later shard of another width": (lambda d: narrow(d / "shard-000001"), "wide"),

@@ -169,8 +169,6 @@ def asked_prompts(tokenizer, folders: list[str], count: int) -> tuple[dict[int, 
             raise ClpError(f"{given} is not magpie data (its kind is {kind!r}): no questions in it")
         for shard in store.shard_folders(folder) + store.shard_folders(folder, heldout=True):
             a = store.load_shard(shard)
-            if "index" not in a:
-                raise ClpError(f"{shard}: not a whole shard (index.npy missing)")
             for i, t, n in zip(a["index"], a["tokens"], a["prompt_len"]):
                 p = np.asarray(t[:n], dtype=np.int32)
                 if p[: len(prefix)].tolist() != prefix or p[len(p) - len(tail) :].tolist() != tail:

@@ -209,7 +209,8 @@ def shard_folders(out: Path, heldout: bool = False) -> list[Path]:
 
 
 # A shard's arrays: their dimensions and kinds of number (the rest, e.g. "kind", unchecked).
-ARRAYS = {"tokens": (2, "iu"), "hidden": (3, "f"), "prompt_len": (1, "iu"), "row_len": (1, "iu")}
+ARRAYS = {"tokens": (2, "iu"), "hidden": (3, "f"), "prompt_len": (1, "iu"), "row_len": (1, "iu"),
+          "index": (1, "iu")}  # fmt: skip
 
 
 def load_shard(folder: Path) -> dict[str, np.ndarray]:
@@ -225,7 +226,7 @@ def load_shard(folder: Path) -> dict[str, np.ndarray]:
             raise ClpError(f"{folder}: not a whole shard ({key}.npy missing or malformed)")
     rows = arrays["tokens"].shape[0]
     if arrays["hidden"].shape[:2] != arrays["tokens"].shape or any(
-        arrays[k].shape[0] != rows for k in ("prompt_len", "row_len")
+        arrays[k].shape[0] != rows for k in ("prompt_len", "row_len", "index")
     ):
         raise ClpError(f"{folder}: not a whole shard (its arrays disagree on rows or length)")
     return arrays
