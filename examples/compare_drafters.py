@@ -2,7 +2,7 @@
 
     python examples/compare_drafters.py --model MODEL --drafters A [B ...] \\
         (--wikitext wiki.test.raw | --prompts FILE [FILE ...]) [-n 14] [-m 64] [--rounds 2] \\
-        [--every-depth]
+        [--every-depth] [--feed all|clp|cost] [--per-prompt]
 
 Every prompt runs ``ar`` and greedy verify with each drafter (a drafter
 folder, or ``shipped``: the one made for the model), interleaved, the order
@@ -13,6 +13,9 @@ the last drafter's time compares with the first's. ``--every-depth`` also
 runs each drafter drafting every depth of its layer, without the depth rule
 (decode/feed.py: deeper_cannot_pay): the passes must be the same, and it
 prints how the rule's time compares and how often it stopped at each depth.
+``--feed all`` feeds every draft (tokens a pass then measure the drafter
+alone, not the cost rule's choice); ``--per-prompt`` prints each prompt's
+tokens a pass for every drafter (deterministic: no timing noise).
 """
 
 import argparse
@@ -41,6 +44,8 @@ p.add_argument("-n", type=int, default=14, help="prompts (default 14)")
 p.add_argument("-m", type=int, default=64, help="new tokens (default 64)")
 p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--every-depth", action="store_true", help="also time each without the depth rule")
+p.add_argument("--feed", choices=("all", "clp", "cost"), default="cost", help="verify's feed rule")
+p.add_argument("--per-prompt", action="store_true", help="print each prompt's tokens a pass")
 args = p.parse_args()
 if min(args.n, args.m, args.rounds) < 1:
     sys.exit("compare_drafters.py: -n, -m and --rounds must be 1 or more")
@@ -82,7 +87,9 @@ def run(prompt, way):
     """``way``: None (ar), or (drafter, with the depth rule or not)."""
     drafter, rule = way or (None, True)
     choose.depth_rule = counted if rule else (lambda *a: None)
-    config = api.decode_config(mode="ar" if drafter is None else "verify", max_tokens=args.m)
+    config = api.decode_config(
+        mode="ar" if drafter is None else "verify", max_tokens=args.m, feed=args.feed
+    )
     tic = time.perf_counter()
     steps = list(decode(mx.array(prompt), model, drafters.get(drafter), config))
     return time.perf_counter() - tic, [t for s in steps for t in s.tokens], len(steps)
@@ -127,5 +134,10 @@ if first != last:
     versus((first, True), (last, True), f"{last} over {first}")
 for d in drafters if args.every_depth else ():
     versus((d, False), (d, True), f"{d}: depth rule over every depth")
+if args.per_prompt:
+    print("tokens a pass per prompt:")
+    for way in ways[1:]:
+        print(f"  {way[0]}{'' if way[1] else ' (every depth)'}: "
+              + " ".join(f"{args.m / n:.2f}" for n in passes[way]))  # fmt: skip
 if args.every_depth:
     print("stops by depth (depth, stopped): count", dict(sorted(stops.items())))
