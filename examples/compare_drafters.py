@@ -15,7 +15,8 @@ runs each drafter drafting every depth of its layer, without the depth rule
 prints how the rule's time compares and how often it stopped at each depth.
 ``--feed all`` feeds every draft (tokens a pass then measure the drafter
 alone, not the cost rule's choice); ``--per-prompt`` prints each prompt's
-tokens a pass for every drafter (deterministic: no timing noise).
+tokens a pass for every drafter (free of this run's timing noise: the cost
+rule reads pass costs measured once per setup and stored).
 """
 
 import argparse
@@ -30,6 +31,7 @@ import mlx.core as mx
 from clp_mlx import api
 from clp_mlx.bench.prompts import encode_prompts, instruction_prompts, wikitext_prompts
 from clp_mlx.decode import choose
+from clp_mlx.decode.config import FEEDS
 from clp_mlx.decode.loop import decode
 from clp_mlx.errors import ClpError
 from clp_mlx.model.heads_files import find_heads, load_heads
@@ -44,7 +46,7 @@ p.add_argument("-n", type=int, default=14, help="prompts (default 14)")
 p.add_argument("-m", type=int, default=64, help="new tokens (default 64)")
 p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--every-depth", action="store_true", help="also time each without the depth rule")
-p.add_argument("--feed", choices=("all", "clp", "cost"), default="cost", help="verify's feed rule")
+p.add_argument("--feed", choices=FEEDS, default="cost", help="verify's feed rule")
 p.add_argument("--per-prompt", action="store_true", help="print each prompt's tokens a pass")
 args = p.parse_args()
 if min(args.n, args.m, args.rounds) < 1:
@@ -122,11 +124,14 @@ def versus(a, b, what):
           f"faster on {sum(x > 1 for x in per)} of {len(per)}")  # fmt: skip
 
 
+def label(way):
+    return way[0] + ("" if way[1] else " (every depth)")
+
+
 print(f"ar: {tokens / sum(med[None]):.2f} tokens/s, {len(prompts)} prompts, {args.rounds} rounds")
 for way in ways[1:]:
     per = [a / b for a, b in zip(med[None], med[way])]
-    name = way[0] + ("" if way[1] else " (every depth)")
-    print(f"{name}: {sum(med[None]) / sum(med[way]):.3f}x in all; per prompt median "
+    print(f"{label(way)}: {sum(med[None]) / sum(med[way]):.3f}x in all; per prompt median "
           f"{st.median(per):.3f}x ({min(per):.2f}-{max(per):.2f}); "
           f"{tokens / sum(passes[way]):.2f} tokens a pass")  # fmt: skip
 first, last = args.drafters[0], args.drafters[-1]
@@ -137,7 +142,6 @@ for d in drafters if args.every_depth else ():
 if args.per_prompt:
     print("tokens a pass per prompt:")
     for way in ways[1:]:
-        print(f"  {way[0]}{'' if way[1] else ' (every depth)'}: "
-              + " ".join(f"{args.m / n:.2f}" for n in passes[way]))  # fmt: skip
+        print(f"  {label(way)}: " + " ".join(f"{args.m / n:.2f}" for n in passes[way]))  # fmt: skip
 if args.every_depth:
     print("stops by depth (depth, stopped): count", dict(sorted(stops.items())))
