@@ -4,7 +4,7 @@
  * OpenBLAS 0.3.21 runs those through its blocked GEMM (packing the weight on
  * every call) at 5-8 GB/s of weight read on a machine that streams memory at
  * 20-27 GB/s. Here every output is a dot product of an activation row with a
- * weight row, in tiles of one or two rows against four weight rows, the
+ * weight row, in tiles of one to four rows against four weight rows, the
  * weight rows split between threads: one pass over the weight, near memory
  * speed.
  *
@@ -31,6 +31,9 @@ typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int
 typedef float v8 __attribute__((vector_size(32)));
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
+#ifndef TILE_ROWS
+#define TILE_ROWS 4 /* rows of A a tile takes: 1-4 */
+#endif
 enum { MAX_ROWS = 16, PARALLEL_FROM = 1 << 18, FALLBACK_SPLIT_FROM = 1 << 22 };
 
 static sgemm_fn fallback;
@@ -72,38 +75,38 @@ static void finish(const v8 *c, const float **a, int rows, const float **w, int 
         }
 }
 
-/* Tiles of rows x weight rows: 1 x 4 and 2 x 4 (s as in finish). */
-static void tile_1x4(const float **a, const float **w, int K, float *s) {
-    const float *a0 = a[0], *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
-    v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+/* A tile of R activation rows (1-4) against four weight rows, s as in finish.
+ * R is a constant at each call, so the loops unroll and c stays in registers:
+ * 4 x 4 needs 16 accumulators + 4 rows + 1 weight vector, hence AVX-512VL's 32
+ * registers where the CPU has them (see few_rows.py). */
+static inline __attribute__((always_inline)) void tile(const float **a, const float **w, int K,
+                                                       float *s, const int R) {
+    v8 c[4][4] = {{0}};
     int k = 0;
     for (; k + 8 <= K; k += 8) {
-        v8 x = load(a0 + k);
-        c0 += x * load(w0 + k), c1 += x * load(w1 + k), c2 += x * load(w2 + k), c3 += x * load(w3 + k);
+        v8 x[4];
+        for (int i = 0; i < R; i++) x[i] = load(a[i] + k);
+        for (int j = 0; j < 4; j++) {
+            v8 y = load(w[j] + k);
+            for (int i = 0; i < R; i++) c[i][j] += x[i] * y;
+        }
     }
-    v8 c[4] = {c0, c1, c2, c3};
-    finish(c, a, 1, w, 4, k, K, s);
+    finish(&c[0][0], a, R, w, 4, k, K, s);
 }
 
-static void tile_2x4(const float **a, const float **w, int K, float *s) {
-    const float *a0 = a[0], *a1 = a[1], *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
-    v8 c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0}, c10 = {0}, c11 = {0}, c12 = {0}, c13 = {0};
-    int k = 0;
-    for (; k + 8 <= K; k += 8) {
-        v8 x0 = load(a0 + k), x1 = load(a1 + k);
-        v8 y0 = load(w0 + k), y1 = load(w1 + k), y2 = load(w2 + k), y3 = load(w3 + k);
-        c00 += x0 * y0, c01 += x0 * y1, c02 += x0 * y2, c03 += x0 * y3;
-        c10 += x1 * y0, c11 += x1 * y1, c12 += x1 * y2, c13 += x1 * y3;
-    }
-    v8 c[8] = {c00, c01, c02, c03, c10, c11, c12, c13};
-    finish(c, a, 2, w, 4, k, K, s);
-}
+static void tile_1(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 1); }
+static void tile_2(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 2); }
+static void tile_3(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 3); }
+static void tile_4(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 4); }
+
+typedef void (*tile_fn)(const float **, const float **, int, float *);
+static const tile_fn tiles[5] = {NULL, tile_1, tile_2, tile_3, tile_4};
 
 /* C = alpha A B^T + beta C, B stored N x K (a weight; attention keys): blocks of
- * four weight rows (the last one repeated at the end), rows of A by pairs, then
- * one; a block's weight rows stay in L1 for the pairs after the first. (Four
- * rows against two weight rows, tried, cost 20% more at four rows: the weight
- * stream stalled behind the arithmetic.) */
+ * four weight rows (the last one repeated at the end), rows of A by fours, the
+ * rest in one tile; a block's weight rows stay in L1 for the tiles after the
+ * first. (Four rows against two weight rows, tried, cost 20% more at four rows:
+ * the weight stream stalled behind the arithmetic.) */
 static void a_bt(int M, int N, int K, float alpha, const float *A, int lda, const float *B,
                  int ldb, float beta, float *C, int ldc) {
     int blocks = (N + 3) / 4;
@@ -113,10 +116,11 @@ static void a_bt(int M, int N, int K, float alpha, const float *A, int lda, cons
         const float *w[4];
         for (int j = 0; j < 4; j++) w[j] = B + (size_t)(n + (j < nr ? j : nr - 1)) * ldb;
         for (int m = 0, rows; m < M; m += rows) {
-            rows = M - m >= 2 ? 2 : 1;
-            const float *a[2] = {A + (size_t)m * lda, A + (size_t)(m + rows - 1) * lda};
-            float s[2][4];
-            (rows == 2 ? tile_2x4 : tile_1x4)(a, w, K, &s[0][0]);
+            rows = M - m >= TILE_ROWS ? TILE_ROWS : M - m;
+            const float *a[4];
+            for (int i = 0; i < rows; i++) a[i] = A + (size_t)(m + i) * lda;
+            float s[4][4];
+            tiles[rows](a, w, K, &s[0][0]);
             for (int i = 0; i < rows; i++)
                 for (int j = 0; j < nr; j++)
                     store(C + (size_t)(m + i) * ldc + n + j, s[i][j], alpha, beta);
