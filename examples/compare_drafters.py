@@ -104,6 +104,7 @@ for way in ways:
 stops.clear()
 times = {w: [[] for _ in prompts] for w in ways}
 passes = {w: [0] * len(prompts) for w in ways}
+made = [0] * len(prompts)  # tokens per prompt: fewer than -m where EOS comes first
 for r in range(args.rounds):
     for i, prompt in enumerate(prompts):
         out = {}
@@ -112,10 +113,11 @@ for r in range(args.rounds):
             times[way][i].append(seconds)
             out[way] = tokens
         assert all(t == out[None] for t in out.values()), f"prompt {i}: outputs differ"
+        made[i] = len(out[None])
         for d in drafters if args.every_depth else ():
             assert passes[d, True][i] == passes[d, False][i], f"prompt {i}: {d}: passes differ"
 med = {w: [st.median(t) for t in times[w]] for w in ways}
-tokens = args.m * len(prompts)
+tokens = sum(made)
 
 
 def versus(a, b, what):
@@ -142,6 +144,6 @@ for d in drafters if args.every_depth else ():
 if args.per_prompt:
     print("tokens a pass per prompt:")
     for way in ways[1:]:
-        print(f"  {label(way)}: " + " ".join(f"{args.m / n:.2f}" for n in passes[way]))  # fmt: skip
+        print(f"  {label(way)}: " + " ".join(f"{m / n:.2f}" for m, n in zip(made, passes[way])))  # fmt: skip
 if args.every_depth:
     print("stops by depth (depth, stopped): count", dict(sorted(stops.items())))
