@@ -159,3 +159,18 @@ def test_the_status_tells_whether_mlx_reaches_the_kernel():
     before = _few_rows.served()
     mx.eval(mx.ones((2, 64)) @ mx.ones((3, 64)).T)
     assert (_few_rows.served() > before) == status().few_rows, status().note
+
+
+@pytest.mark.parametrize(
+    "flags,wanted",
+    [
+        ("sse2", []),
+        ("avx2 fma", ["-mavx2", "-mfma"]),
+        ("avx2 fma avx512f avx512vl", ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]),
+        ("avx2 avx512f avx512vl", []),  # no FMA: none of it
+    ],
+)
+def test_the_build_asks_for_what_the_cpu_has(flags, wanted):
+    """AVX-512VL's registers (the 4-row tile) only on a CPU with AVX2, FMA and AVX-512VL."""
+    got = _few_rows._flags(f"model name\t: some cpu\nflags\t\t: fpu {flags} ht")
+    assert got == _few_rows.FLAGS + wanted
