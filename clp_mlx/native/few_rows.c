@@ -34,6 +34,9 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
 #ifndef TILE_ROWS
 #define TILE_ROWS 4 /* rows of A a tile takes: 1-4 */
 #endif
+#if TILE_ROWS < 1 || TILE_ROWS > 4
+#error "TILE_ROWS must be 1-4: the tiles hold at most four rows"
+#endif
 enum { MAX_ROWS = 16, PARALLEL_FROM = 1 << 18, FALLBACK_SPLIT_FROM = 1 << 22 };
 
 static sgemm_fn fallback;
