@@ -200,6 +200,19 @@ def test_init_from_starts_at_a_drafters_layer(root):
         main(train_argv(root, "x", "--init-from", str(root / "nowhere")))
 
 
+def test_an_earlier_drafters_ids_fill_what_the_data_leaves():
+    """The draft vocabulary is the data's most frequent greedy tokens; where
+    the data holds fewer distinct ones, the init drafter's ids come next
+    (not the lowest ids), and a token seen once beats one never seen."""
+    from clp_mlx.train.trainer import draft_vocabulary
+
+    greedy = np.array([5, 5, 5, 9, 9, 2])
+    assert draft_vocabulary(greedy, 3, 20).tolist() == [2, 5, 9]
+    assert draft_vocabulary(greedy, 4, 20).tolist() == [0, 2, 5, 9]
+    assert draft_vocabulary(greedy, 5, 20, prefer=[17, 12, 5]).tolist() == [2, 5, 9, 12, 17]
+    assert draft_vocabulary(greedy, 2, 20, prefer=[17]).tolist() == [5, 9]
+
+
 def test_keep_vocab_keeps_the_init_drafters_draft_vocabulary(root):
     """--keep-vocab: the drafter trained from --init-from drafts from the same
     token ids (the data here would choose others); it needs --init-from and

@@ -32,7 +32,8 @@ HELP = {
     "lr": "peak learning rate (AdamW)",
     "warmup": "steps of linear warm-up",
     "decay": "loss weight of depth j is decay ** (j - 1)",
-    "draft_vocab": "the draft vocabulary: the most frequent greedy tokens of --data",
+    "draft_vocab": "the draft vocabulary: the most frequent greedy tokens of --data "
+    "(then --init-from's, where the data holds fewer)",
     "seed": "row order and initial weights",
     "soft": "weight of the backbone's whole distribution as the target (1 - soft: its token)",
     "init_from": "a drafter folder (an MTP layer of these flags' shape, for this backbone) "
@@ -214,7 +215,7 @@ def _trainer(args, cfg: MTPTrainConfig):
     if cfg.keep_vocab:
         ids = _kept_vocab(kept, cfg)
     else:
-        ids = draft_vocabulary(rows.greedy_tokens(), cfg.draft_vocab, model.args.vocab_size)
+        ids = draft_vocabulary(rows.greedy_tokens(), cfg.draft_vocab, model.args.vocab_size, kept)
     return MTPTrainer(model, layer, rows, cfg, ids)
 
 
@@ -232,10 +233,10 @@ def _kept_vocab(ids, cfg: MTPTrainConfig):
 
 def _start_from(layer, model, folder: Path):
     """``layer`` takes the MTP layer of the drafter in ``folder``; its draft
-    vocabulary (token ids, None for the whole) is returned, and used only with
-    --keep-vocab: the layer's weights do not depend on it (drafts are read
-    through the backbone's own output rows), so by default this run's data
-    chooses its own."""
+    vocabulary (token ids, None for the whole) is returned. The layer's
+    weights do not depend on it (drafts are read through the backbone's own
+    output rows), so by default this run's data chooses its own, and its ids
+    fill what the data leaves (--keep-vocab: it is kept whole)."""
     import mlx.core as mx
     from mlx.utils import tree_map
 

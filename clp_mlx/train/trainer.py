@@ -78,8 +78,13 @@ class Positions:
         }
 
 
-def draft_vocabulary(greedy_ids: np.ndarray, size: int, vocab: int) -> np.ndarray:
-    counts = np.bincount(greedy_ids.reshape(-1), minlength=vocab)
+def draft_vocabulary(greedy_ids: np.ndarray, size: int, vocab: int, prefer=None) -> np.ndarray:
+    """The ``size`` most frequent of ``greedy_ids``, sorted. Where the data
+    holds fewer distinct tokens, the ids of ``prefer`` (an earlier drafter's
+    vocabulary) come next, then the lowest ids; among equal counts too."""
+    counts = 2 * np.bincount(greedy_ids.reshape(-1), minlength=vocab).astype(np.int64)
+    if prefer is not None:
+        counts[np.asarray(prefer, dtype=np.int64)] += 1
     return np.sort(np.argsort(-counts, kind="stable")[: min(size, vocab)])
 
 
