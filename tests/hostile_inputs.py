@@ -375,7 +375,7 @@ def plant_kernel(home: Path, work: Path) -> Path | None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    cpu = few_rows._cpu()
+    cpu = few_rows.cpu_info()
     key = hashlib.sha256()
     for part in (few_rows.SOURCE.read_bytes(), " ".join([cc, *few_rows._flags(cpu)]).encode()):
         key.update(part)

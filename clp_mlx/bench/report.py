@@ -54,7 +54,8 @@ def blas_in_use() -> str:
         return "Accelerate (macOS)"
     native = native_status()
     if native.loaded:
-        return f"openblas (preloaded); few-row kernel {native.note}"
+        core = f", {native.core} kernels" if native.core else ""
+        return f"openblas (preloaded{core}); few-row kernel {native.note}"
     if os.environ.get("CLP_MLX_NO_OPENBLAS"):
         return "bundled reference BLAS (OpenBLAS preload disabled by CLP_MLX_NO_OPENBLAS)"
     return "bundled reference BLAS (OpenBLAS not found)"

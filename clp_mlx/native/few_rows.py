@@ -43,13 +43,18 @@ def source_key() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
 
 
-def _cpu() -> str:
+def cpu_info() -> str:
     """The CPU's model and flags: the library is built for the CPU it runs on."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.processor()
     return "\n".join(dict.fromkeys(ln for ln in lines if ln.startswith(("model name", "flags"))))
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``avx2``, ``avx512f``, ...); empty where unknown."""
+    return {w for ln in cpu_info().splitlines() if ln.startswith("flags") for w in ln.split()}
 
 
 def _flags(cpu: str) -> list[str]:
@@ -72,7 +77,7 @@ def _build_into(folder: Path, *, again: bool = False) -> Path:
     cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")]
     if cc[0] is None:
         raise OSError("no C compiler (cc) found")
-    cpu = _cpu()
+    cpu = cpu_info()
     flags = _flags(cpu)
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(cc + flags).encode(), cpu.encode()):
