@@ -261,9 +261,28 @@ def test_bench_step_reports_the_pass_widths_and_the_host_work(tmp_path, capsys):
     folder = write_model_folder(tmp_path / "tiny", tiny_model(0))
     assert bench_step.main(["--model", str(folder), "--repeats", "1", "--context", "8"]) == 0
     out = capsys.readouterr().out
-    for row in ("backbone x1", "backbone x4", "verify step (4 fed)", "heads' drafts after the pass"):
+    for row in (
+        "backbone x1",
+        "backbone x4",
+        "verify step (4 fed)",
+        "heads' drafts after the pass",
+    ):
         assert f"| {row} |" in out, row
     assert "| detokenize one token |" in out and "| context drafter (extend + propose) |" in out
+
+
+def test_bench_step_refuses_an_mtp_layer_in_one_line(tmp_path):
+    from clp_mlx.cli import bench_step
+    from clp_mlx.model.heads_files import init_heads, save_heads
+
+    model = tiny_model(0)
+    folder = write_model_folder(tmp_path / "tiny", model)
+    drafter = save_heads(
+        init_heads(model, 3, design="mtp", gate=False, head0=False), tmp_path / "mtp"
+    )
+    argv = ["--model", str(folder), "--heads", str(drafter), "--repeats", "1", "--context", "8"]
+    with pytest.raises(ClpError, match="an MTP layer drafter; bench_step times chain heads only"):
+        bench_step.main(argv)
 
 
 def test_several_prompt_files_are_benched_one_after_another(tmp_path):

@@ -165,6 +165,11 @@ def main(argv=None) -> int:
         dtype=args.dtype,
         num_draft_tokens=args.num_draft_tokens,
     )
+    if heads.config.design == "mtp":  # its drafts follow the pass, with a cache of its own
+        raise ClpError(
+            f"{args.heads}: an MTP layer drafter; bench_step times chain heads only "
+            "(time an MTP layer with python -m clp_mlx.bench)"
+        )
     room = (backbone.context_length(model) or args.context + ROWS) - ROWS
     if args.context > room:
         raise ClpError(f"--context must be at most {room} for this model's context")
