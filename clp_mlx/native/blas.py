@@ -17,7 +17,7 @@ OpenBLAS as distributions build it (``DYNAMIC_ARCH``) chooses its kernels by
 the CPU's model number when it loads. A release older than the CPU does not
 know the number and falls back to its SSE3 kernels ("Prescott"): Debian 12's
 0.3.21 on a 2023 Xeon multiplies fp32 at 35-50 GFLOP/s instead of ~200, which
-makes prompts, batched data generation and training 3-4x slower. So unless
+makes prompts and batched data generation 3-4x slower, training 2x. So unless
 ``OPENBLAS_CORETYPE`` is set already, it is set from the CPU's flags before the
 library loads (:func:`core_for`): the kernels newer releases pick on such CPUs.
 
