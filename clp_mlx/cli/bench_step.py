@@ -29,6 +29,7 @@ from ..decode.unchecked import unchecked_step
 from ..decode.verify import one_pass
 from ..errors import ClpError
 from ..model import backbone
+from ..model.heads_files import read_config
 from ..native.padrows import ROWS
 from .args import parser, run
 
@@ -159,17 +160,19 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.context < 1 or args.repeats < 1:
         raise ClpError("--context and --repeats must be at least 1")
+    # An MTP layer drafts after the pass, with a cache of its own: refused
+    # before the backbone loads (its heads.json says so).
+    if args.heads is not None and read_config(args.heads).design == "mtp":
+        raise ClpError(
+            f"{args.heads}: an MTP layer drafter; bench_step times chain heads only "
+            "(time an MTP layer with python -m clp_mlx.bench)"
+        )
     model, tokenizer, heads = load(
         args.model,
         "init" if args.heads is None else args.heads,
         dtype=args.dtype,
         num_draft_tokens=args.num_draft_tokens,
     )
-    if heads.config.design == "mtp":  # its drafts follow the pass, with a cache of its own
-        raise ClpError(
-            f"{args.heads}: an MTP layer drafter; bench_step times chain heads only "
-            "(time an MTP layer with python -m clp_mlx.bench)"
-        )
     room = (backbone.context_length(model) or args.context + ROWS) - ROWS
     if args.context > room:
         raise ClpError(f"--context must be at most {room} for this model's context")

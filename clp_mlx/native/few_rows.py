@@ -15,6 +15,7 @@ symbols. ``CLP_MLX_FEW_ROWS=0`` turns it off (plain OpenBLAS, as before).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -43,6 +44,7 @@ def source_key() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
 
 
+@functools.cache  # read at import by the kernel's build key and blas.py's core choice
 def cpu_info() -> str:
     """The CPU's model and flags: the library is built for the CPU it runs on."""
     try:
