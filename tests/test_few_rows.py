@@ -9,6 +9,7 @@ back to plain OpenBLAS.
 
 import ctypes
 import os
+import platform
 import subprocess
 import sys
 
@@ -77,6 +78,21 @@ def test_many_rows_and_transposed_operands_go_to_openblas_and_stay_right():
     for y, want in [(a @ w.T, _ref(a, np.asarray(w).T)), (at.T @ w.T, _ref(np.asarray(at).T, np.asarray(w).T))]:
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=2e-3)
 
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="flushing is x86 only")
+@pytest.mark.parametrize("rows,cols", [(40, 256), (300, 2048)])  # one OpenBLAS call; split by ours
+def test_what_goes_to_openblas_flushes_subnormals_and_only_there(rows, cols):
+    """A subnormal operand counts as zero in a product OpenBLAS does (on x86 it
+    would take a slow path: 100x on a whole operand), and elementwise
+    arithmetic after the call keeps IEEE subnormals (the MXCSR restored)."""
+    tiny = mx.full((rows, 256), 1e-39)  # subnormal in float32
+    mx.eval(tiny)
+    out = np.asarray(tiny @ mx.ones((256, cols)))
+    assert (out == 0).all()  # without the flush: 256e-39, a normal float
+    after = np.asarray(tiny[:1, :4] * 1.0)
+    assert (after > 0).all() and (after < np.finfo(np.float32).tiny).all()
 
 def _child(env_extra: dict, tmp_path) -> str:
     code = (
