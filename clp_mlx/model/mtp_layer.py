@@ -94,7 +94,8 @@ class MTPLayer(nn.Module):
         (the final norm ignores scale), with a residual stream of about unit
         RMS (0.17 with ``1 / w`` on the 0.5B), next to which the branches
         start small. Held out at step 200, t+2 drafts were right 39.5% of
-        the time against 28.1% (docs/RESULTS.md)."""
+        the time against 28.1% (docs/EXPERIMENTS.md, "The MTP layer
+        against the heads")."""
         w = final_norm.weight.astype(mx.float32)
         rms = mx.sqrt(mx.mean(w * w))
         self.h_norm.weight = rms / mx.where(mx.abs(w) < 1e-3, 1e-3, w)

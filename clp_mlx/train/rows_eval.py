@@ -120,8 +120,9 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
     return out
 
 
-# The first tokens after a prompt are the hardest to draft (docs/RESULTS.md): the
-# walk over a row's first EARLY alone is what a short answer (the bench's) sees.
+# The first tokens after a prompt are the hardest to draft (docs/EXPERIMENTS.md, "The
+# MTP layer on 500k positions"): the walk over a row's first EARLY alone is what a short
+# answer (the bench's) sees.
 EARLY = 32
 THRESHOLDS = (None, 0.7, 0.8, 0.9)  # CLP's most likely run, or the longest this likely
 
