@@ -40,6 +40,8 @@ HELP = {
     "to start from, e.g. to go on training it on more data",
     "keep_vocab": "with --init-from: keep its draft vocabulary (else --data chooses one), "
     "e.g. to tune it on one kind of text without losing the tokens of the others",
+    "group_by_length": "draw each step's rows from one group of rows of about one length: "
+    "fewer padded positions a step, each row as likely as without",
 }
 FLAGS = tuple(HELP)
 

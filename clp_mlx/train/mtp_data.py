@@ -58,6 +58,15 @@ class Rows:
     def positions(self) -> int:
         return int(sum(p["row_len"].sum() - p["prompt_len"].sum() for p in self.parts))
 
+    def length_groups(self, size: int, seed: int) -> list[np.ndarray]:
+        """Every row index once, in groups of about ``size`` rows of about the
+        same length (ends, then prompt lengths; ties in a seeded order)."""
+        ends = np.concatenate([p["row_len"] for p in self.parts])
+        starts = np.concatenate([p["prompt_len"] for p in self.parts])
+        order = np.random.default_rng(seed).permutation(len(ends))
+        order = order[np.lexsort((starts[order], ends[order]))]
+        return np.array_split(order, max(1, round(len(order) / size)))
+
     def greedy_tokens(self) -> np.ndarray:
         """Every greedy (generated) token, for choosing the draft vocabulary."""
         out = []

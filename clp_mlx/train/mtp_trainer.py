@@ -45,11 +45,13 @@ class MTPTrainConfig:
     feed: str = FEED  # what later depths read; checkpoints of an earlier layer are not resumed
     init_from: str = ""  # a drafter folder whose MTP layer starts the run ("": as the backbone)
     keep_vocab: bool = False  # with init_from: its draft vocabulary, not one chosen from the data
+    group_by_length: bool = False  # a step's rows from one group of rows of about one length
 
 
 # Settings added since checkpoints recorded ``feed``: one without them was made
 # with these values. (One without ``feed`` read another input: never resumed.)
-ADDED = {"init_from": "", "keep_vocab": False}
+ADDED = {"init_from": "", "keep_vocab": False, "group_by_length": False}
+GROUP_BATCHES = 16  # with group_by_length: rows a group, in batches
 
 
 class MTPTrainer:
@@ -64,6 +66,10 @@ class MTPTrainer:
         decay = optim.cosine_decay(cfg.lr, max(1, cfg.steps - cfg.warmup), cfg.lr / 10)
         self.opt = optim.AdamW(optim.join_schedules([warm, decay], [cfg.warmup]), weight_decay=0.01)
         self.step, self.history = 0, []
+        self.groups, self.targets = None, 0.0
+        if cfg.group_by_length:  # each depth's loss: a sum over a batch's targets / their mean
+            self.groups = rows.length_groups(GROUP_BATCHES * cfg.batch, cfg.seed)
+            self.targets = cfg.batch * rows.positions() / len(rows)
         self._grad = nn.value_and_grad(layer, self._loss)
 
     def logits(self, g: mx.array) -> mx.array:
@@ -91,13 +97,20 @@ class MTPTrainer:
                 teacher = mx.softmax(h[at + j] @ self.w.T, axis=-1)
                 own = -(mx.stop_gradient(teacher) * nn.log_softmax(logits, axis=-1)).sum()
                 ce = (1 - soft) * ce + soft * own
-            total = total + self.cfg.decay ** (j - 1) * ce / max(1, at.size)
+            total = total + self.cfg.decay ** (j - 1) * ce / (self.targets or max(1, at.size))
             hits.append((mx.argmax(logits, axis=-1) == y).sum())
         return total, mx.stack(hits)
 
     def batch_rows(self, step: int) -> np.ndarray:
+        """The rows of step ``step``: drawn from all rows, or (group_by_length)
+        from one group, chosen in proportion to its size, so that every row is
+        as likely as without groups while a batch pads far fewer positions."""
         rng = np.random.default_rng([self.cfg.seed, step])
-        return rng.integers(0, len(self.rows), self.cfg.batch)
+        if self.groups is None:
+            return rng.integers(0, len(self.rows), self.cfg.batch)
+        sizes = np.array([len(g) for g in self.groups], dtype=np.float64)
+        group = self.groups[rng.choice(len(sizes), p=sizes / sizes.sum())]
+        return group[rng.integers(0, len(group), self.cfg.batch)]
 
     def train_step(self) -> tuple[float, list[float]]:
         b = batch(self.rows, self.batch_rows(self.step), self.cfg.depths, self.id_map)
