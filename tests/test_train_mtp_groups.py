@@ -3,13 +3,13 @@ length, so a batch of long and short rows no longer pads the short ones; every
 row stays as likely, and each depth's loss is a sum over the batch's targets
 divided by their mean number, so a short row's target weighs what a long one's does."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from mtp_helpers import distilled
 
 from clp_mlx.cli.distill import main as distill
 from clp_mlx.cli.train_mtp import _trainer, main, setup_arg_parser
+from clp_mlx.errors import ClpError
 from clp_mlx.train import mtp_trainer
 from clp_mlx.train.mtp_data import Rows, batch
 
@@ -84,5 +84,5 @@ def test_a_grouped_loss_is_a_sum_over_the_mean_number_of_targets(root):
 def test_group_by_length_trains_resumes_and_is_its_own_setting(root):
     assert main(argv(root, "g", "--group-by-length")) == 0
     assert main([*argv(root, "g", "--group-by-length"), "--eval"]) == 0
-    with pytest.raises(Exception, match="no checkpoint of these flags"):
+    with pytest.raises(ClpError, match="no checkpoint of these flags"):
         main([*argv(root, "g"), "--eval"])  # batches of another kind: another run
