@@ -73,12 +73,13 @@ def test_a_grouped_loss_is_a_sum_over_the_mean_number_of_targets(root):
     t.cfg.depths = 1  # one depth: its cross-entropy summed over the batch, over one divisor
     b = batch(t.rows, t.batch_rows(0), 1, t.id_map)
     summed, _ = t._loss(b)
-    assert t.targets == pytest.approx(3 * t.rows.positions() / len(t.rows))
+    targets = 3 * t.rows.positions() / len(t.rows)  # a batch of 3 rows' mean number of targets
+    assert t.targets == pytest.approx(targets)
     t.targets = 0.0  # as without groups: divided by the batch's own number of targets
     mean, _ = t._loss(b)
     n = b["at1"].size
-    assert n != pytest.approx(3 * t.rows.positions() / len(t.rows))  # so the two differ here
-    assert summed.item() * 3 * t.rows.positions() / len(t.rows) == pytest.approx(mean.item() * n)
+    assert n != pytest.approx(targets)  # so the two divisors differ here
+    assert summed.item() * targets == pytest.approx(mean.item() * n)
 
 
 def test_group_by_length_trains_resumes_and_is_its_own_setting(root):
