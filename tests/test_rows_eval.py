@@ -42,7 +42,7 @@ class Known:
     def __len__(self):
         return len(self.rows)
 
-    def gather(self, idx, depths):
+    def gather(self, idx, depths, side=False):
         tokens = np.full((idx.size, self.length + depths + 1), -1)
         for b, i in enumerate(idx):
             tokens[b, : len(self.rows[i])] = self.rows[i]

@@ -121,7 +121,7 @@ def test_shards_are_whole_checksummed_greedy_rows(root, reference):
 def test_left_padded_batches_continue_each_prompt_as_alone():
     model = tiny_model(1)
     prompts = [np.array(p, np.int32) for p in ([5, 9, 2], [7, 1, 4, 8, 3, 6], [11])]
-    tokens, hidden = continue_batch(model, prompts, 6)
+    tokens, hidden, _ = continue_batch(model, prompts, 6)
     for p, t, h in zip(prompts, tokens, hidden):
         cache = make_prompt_cache(model)
         x, want = mx.array(p)[None], []

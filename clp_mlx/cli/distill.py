@@ -54,6 +54,11 @@ def parse(argv=None) -> argparse.Namespace:
         "--heldout", type=float, default=0.02, help="share of prompts held out (default: 0.02; 1: all, for evaluation only)"
     )
     p.add_argument("--seed", type=int, default=0, help="prompt order and magpie sampling")
+    p.add_argument(
+        "--side-layers", type=int, nargs="+", default=[], metavar="N",
+        help="also keep the states after the first N layers, for each N (EAGLE-3's "
+        "low and middle features, e.g. 2 12 on a 24-layer model; default: none)",
+    )  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -98,6 +103,7 @@ def main(argv=None) -> int:
         heldout=args.heldout,
         seed=args.seed,
         dtype=dtype,
+        side_layers=tuple(args.side_layers),
     )
     model, tokenizer = backbone.load_backbone(resolve_model(args.model, dtype=dtype), dtype)
     sources = {"model": args.model, "data": args.data}

@@ -42,6 +42,8 @@ HELP = {
     "e.g. to tune it on one kind of text without losing the tokens of the others",
     "group_by_length": "draw each step's rows from one group of rows of about one length: "
     "fewer padded positions a step, each row as likely as without",
+    "side": "depth 1 also reads the earlier layers' states that --data keeps "
+    "(distill --side-layers), as EAGLE-3's draft head; they start with no weight",
 }
 FLAGS = tuple(HELP)
 
@@ -208,7 +210,9 @@ def _trainer(args, cfg: MTPTrainConfig):
     model, _, _ = load_with_drafter(args.model, "none")
     rows = Rows.for_model(args.data, model.args)
     mx.random.seed(cfg.seed)  # the same start in every run of these flags
-    layer = MTPLayer(model.args, cfg.mlp_size)
+    if cfg.side and not rows.side_layers:
+        raise ClpError("--side: --data keeps no earlier layers' states (distill --side-layers)")
+    layer = MTPLayer(model.args, cfg.mlp_size, side_layers=rows.side_layers if cfg.side else ())
     kept = None
     if cfg.init_from:
         kept = _start_from(layer, model, Path(cfg.init_from))
@@ -247,7 +251,10 @@ def _start_from(layer, model, folder: Path):
     bundle = load_heads(folder, model)  # checked against this backbone
     if bundle.config.design != "mtp" or bundle.mtp.style != "mtp":
         raise ClpError(f"--init-from {folder}: not an MTP-layer drafter (train_mtp writes those)")
-    if bundle.mtp.shape() != layer.shape():
+    if bundle.mtp.side_layers and bundle.mtp.side_layers != layer.side_layers:
+        raise ClpError(f"--init-from {folder}: its layer reads the states after layers "
+                       f"{list(bundle.mtp.side_layers)}: give --side and data keeping those")  # fmt: skip
+    if {**bundle.mtp.shape(), "side_layers": 0} != {**layer.shape(), "side_layers": 0}:
         width = bundle.mtp.block.args.intermediate_size
         raise ClpError(f"--init-from {folder}: its layer has another shape (--mlp-size {width}?)")
     layer.update(tree_map(lambda a: a.astype(mx.float32), bundle.mtp.parameters()))
@@ -273,7 +280,6 @@ def _train(trainer, out: Path, held, quiet: bool) -> int:
     from tqdm import tqdm
 
     from ..train.fit import plot_history
-    from ..train.mtp_data import batch
 
     cfg = trainer.cfg
     resumed = trainer.step if trainer.restore(out) else 0
@@ -281,7 +287,7 @@ def _train(trainer, out: Path, held, quiet: bool) -> int:
         print(f"resuming at step {resumed}", file=sys.stderr)
     check = None
     if len(held):
-        check = batch(held, np.arange(min(HELD_ROWS, len(held))), cfg.depths, trainer.id_map)
+        check = trainer.batch(np.arange(min(HELD_ROWS, len(held))), held)
     bar = tqdm(total=cfg.steps, initial=trainer.step, disable=quiet, desc="MTP layer")
     while trainer.step < cfg.steps:
         loss, acc = trainer.train_step()

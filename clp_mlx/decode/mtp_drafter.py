@@ -30,6 +30,9 @@ class MTPDrafter:
         whether the deeper drafts cannot matter (:func:`.feed.depth_rule`);
         None: always draft all ``k``."""
         self.model, self.bundle, self.layer = model, bundle, bundle.mtp
+        # The backbone's earlier layers' states, if the layer reads them (train_mtp --side).
+        side = self.layer.side_layers
+        self.side = backbone.watch_layers(model, side) if side else None
         self.k, self.stop = bundle.k, stop
         self.past = None  # (keys, values) of the committed positions
         self.offset = start  # the backbone position the next committed entry takes
@@ -41,7 +44,7 @@ class MTPDrafter:
     def prompt(self, hidden: mx.array, tokens: mx.array) -> None:
         """Prefill: ``hidden`` (n, d) at the next n positions, ``tokens`` (n,)
         the token after each."""
-        self._append(hidden, tokens)
+        self._append(self._with_side(hidden), tokens)
         mx.eval(*self.past)
         self.unplaced = [None]  # the last prompt token: the first pass feeds it
 
@@ -52,8 +55,16 @@ class MTPDrafter:
         self.offset += hidden.shape[0]
         return g[:, -1:]
 
+    def _with_side(self, hidden: mx.array) -> mx.array:
+        """``hidden`` (n, d), the rows of the pass just made, with the earlier
+        layers' states of that pass after them, if the layer reads them."""
+        if self.side is None or hidden.shape[-1] > self.model.args.hidden_size:
+            return hidden
+        side = [self.side[n][-1][0].astype(hidden.dtype) for n in self.layer.side_layers]
+        return mx.concatenate([hidden, *side], axis=-1)
+
     def at(self, hidden, choices, accepted) -> PassDrafts:
-        return PassDrafts(None, None, None, fed=hidden)
+        return PassDrafts(None, None, None, fed=self._with_side(hidden))
 
     def extend(self, tokens) -> None:
         self.unplaced += list(tokens)  # committed without a check (the unchecked modes)
@@ -65,7 +76,8 @@ class MTPDrafter:
         (context copies): the depths and their projections are skipped."""
         seq = self.unplaced + list(committed)
         self.unplaced = seq[-1:]
-        g = self._append(got.fed[: len(seq) - 1], mx.array(seq[1:]))
+        fed = self._with_side(got.fed)  # unchecked steps make no at(): their pass was the last
+        g = self._append(fed[: len(seq) - 1], mx.array(seq[1:]))
         if not draft:
             mx.eval(*self.past)
             self._drafts = []

@@ -92,6 +92,11 @@ def _layer(value, what: str) -> dict:
             raise ClpError(f"{what}: an MTP layer trained before its later depths read the final "
                            "norm of its output (no feed: norm); retrain it with train_mtp")  # fmt: skip
         out["feed"] = FEED
+    side = value.get("side_layers", [])
+    if not isinstance(side, list) or len(set(map(repr, side))) != len(side):
+        raise ClpError(f"{what}.side_layers must be a list of distinct layer counts")
+    if side:
+        out["side_layers"] = [whole(n, f"{what}.side_layers", 1) for n in side]
     if out["num_attention_heads"] % out["num_key_value_heads"]:
         raise ClpError(f"{what}: num_attention_heads must be a multiple of num_key_value_heads")
     return out

@@ -49,13 +49,17 @@ def block_args(args, mlp_size: int = 0):
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, args, mlp_size: int = 0, style: str = "mtp"):
+    def __init__(self, args, mlp_size: int = 0, style: str = "mtp", side_layers=()):
         super().__init__()
         d, eps = args.hidden_size, args.rms_norm_eps
-        self.style = style
+        self.style, self.side_layers = style, tuple(side_layers)
         if style == "mtp":
             self.h_norm = nn.RMSNorm(d, eps=eps)
             self.e_norm = nn.RMSNorm(d, eps=eps)
+        if self.side_layers:  # EAGLE-3's earlier-layer features, added to depth 1's state
+            self.side_norms = [nn.RMSNorm(d, eps=eps) for _ in self.side_layers]
+            self.side_fc = nn.Linear(d * len(self.side_layers), d, bias=False)
+            self.side_fc.weight = mx.zeros_like(self.side_fc.weight)  # starts as without them
         self.fc = nn.Linear(2 * d, d, bias=style == "eagle")
         self.block = qwen2.TransformerBlock(block_args(args, mlp_size))
 
@@ -66,13 +70,15 @@ class MTPLayer(nn.Module):
             model_type="qwen2", hidden_size=hidden_size, num_hidden_layers=1,
             vocab_size=1, **{k: shape[k] for k in SHAPE},
         )  # fmt: skip
-        return cls(args, style=shape.get("style", "mtp"))
+        return cls(args, style=shape.get("style", "mtp"), side_layers=shape.get("side_layers", ()))
 
     def shape(self) -> dict:
         """What :meth:`of_shape` needs (besides the hidden size) to make this layer again."""
         args = self.block.args
         shape = {k: t(getattr(args, k)) for k, t in SHAPE.items()}
-        return {**shape, "style": self.style, **({"feed": FEED} if self.style == "mtp" else {})}
+        side = {"side_layers": list(self.side_layers)} if self.side_layers else {}
+        feed = {"feed": FEED} if self.style == "mtp" else {}
+        return {**shape, "style": self.style, **feed, **side}
 
     def readout(self, final_norm: nn.Module, g: mx.array) -> mx.array:
         """What the output projection, and the next depth, read of an output
@@ -105,9 +111,18 @@ class MTPLayer(nn.Module):
         self.block.mlp.down_proj.weight = mx.zeros_like(self.block.mlp.down_proj.weight)
 
     def fuse(self, h: mx.array, emb: mx.array) -> mx.array:
+        """The block's input from a state ``h`` (..., d) and the next token's
+        embedding. A wider ``h`` carries the earlier layers' states after the
+        last one's (:attr:`side_layers`; depth 1 only): the layer adds
+        ``side_fc`` of their norms to the last one's norm."""
+        d = emb.shape[-1]
         if self.style == "eagle":
-            return self.fc(mx.concatenate([h, emb], axis=-1))
-        return self.fc(mx.concatenate([self.h_norm(h), self.e_norm(emb)], axis=-1))
+            return self.fc(mx.concatenate([h[..., :d], emb], axis=-1))
+        x = self.h_norm(h[..., :d])
+        if self.side_layers and h.shape[-1] > d:
+            normed = [n(h[..., (i + 1) * d : (i + 2) * d]) for i, n in enumerate(self.side_norms)]
+            x = x + self.side_fc(mx.concatenate(normed, axis=-1))
+        return self.fc(mx.concatenate([x, self.e_norm(emb)], axis=-1))
 
     def qkv(self, x: mx.array, offset: int):
         """Queries (B, H, L, hd), keys and values (B, Hkv, L, hd) of ``x``
@@ -153,6 +168,9 @@ class MTPLayer(nn.Module):
         length = h.shape[1]
         causal = mx.arange(length)[None] <= mx.arange(first, length)[:, None]
         feature, outs, own_k, own_v = None, [], [], []
+        wide = self.fc.weight.shape[0] * (1 + len(self.side_layers))
+        if self.side_layers and h.shape[-1] != wide:
+            raise ValueError(f"this layer reads {1 + len(self.side_layers)} layers' states")
         for j in range(1, depths + 1):
             if j == 1:  # every anchor's keys; queries from the first on
                 x = self.fuse(h, tokens_emb(1))

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from .mtp_data import Rows
-from .rows_eval import chain_drafts, targets
+from .rows_eval import chain_drafts, side_layers, targets
 
 MIN_CASES = 30  # fewer cases at a depth: keep its temperature at 1
 GRID = tuple(round(1.15**i, 4) for i in range(-3, 23))  # 0.66 .. 21.6, with 1.0
@@ -41,7 +41,7 @@ def fit_temperatures(model, bundle, rows: Rows, batch_rows: int = 8) -> dict:
     sampled = (np.arange(rows.length) % every == 0)[None, :]
     for start in range(0, len(rows), batch_rows):
         idx = np.arange(start, min(len(rows), start + batch_rows))
-        hidden, tokens, starts, ends = rows.gather(idx, k)
+        hidden, tokens, starts, ends = rows.gather(idx, k, bool(side_layers(bundle, rows)))
         seen: list = []
         drafts, _ = chain_drafts(
             model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)), seen

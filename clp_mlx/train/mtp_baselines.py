@@ -19,7 +19,7 @@ from ..model import backbone
 from ..model.heads import Gate, ResBlock, gate_hidden_size
 from .fit import _fit_gate, fit_small
 from .mtp_data import Rows, id_map_of
-from .rows_eval import chain_drafts, targets
+from .rows_eval import chain_drafts, side_layers, targets
 
 MAX_ROWS = 160  # held-out rows read (a seeded sample): ~15k anchors of 96-token rows
 
@@ -54,13 +54,13 @@ def anchors(model, bundle, rows: Rows, seed: int = 0, batch_rows: int = 8):
     chosen = np.random.default_rng([seed, 7]).permutation(len(rows))[:MAX_ROWS]
     for start in range(0, len(chosen), batch_rows):
         idx = np.sort(chosen[start : start + batch_rows])
-        hidden, tokens, starts, ends = rows.gather(idx, k)
+        hidden, tokens, starts, ends = rows.gather(idx, k, bool(side_layers(bundle, rows)))
         drafts, _ = chain_drafts(model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
         target, inside = targets(tokens, starts, ends, rows.length, k)
         right = (drafts == target) & inside
         for r in range(len(idx)):
             span = np.arange(starts[r] - 1, ends[r] - 1 - k)
-            hs.append(hidden[r, span])
+            hs.append(hidden[r, span, : model.args.hidden_size])
             rights.append(right[r, span])
             nexts.append(tokens[r, span + 1])
     h, right, after = (np.concatenate(x) for x in (hs, rights, nexts))

@@ -27,6 +27,13 @@ class Rows:
         self.parts = [load_shard(f) for f in folders]
         self.length = max(p["tokens"].shape[1] for p in self.parts)
         self.where = [(i, r) for i, p in enumerate(self.parts) for r in range(len(p["tokens"]))]
+        kept = {tuple(p["side_layers"].tolist()) if "side" in p else () for p in self.parts}
+        if len(kept) > 1:
+            raise ClpError("the data folders keep different earlier layers (distill "
+                           f"--side-layers): {sorted(kept)}")  # fmt: skip
+        # Earlier layers' states (distill --side-layers), given after the last
+        # layer's in each position's vector: (B, L, d * (1 + len(side_layers))).
+        self.side_layers = kept.pop()
 
     @classmethod
     def of(cls, dirs: list[Path], heldout: bool = False) -> Rows:
@@ -75,9 +82,10 @@ class Rows:
                 out.append(np.asarray(row[start:end]))
         return np.concatenate(out)
 
-    def gather(self, rows: np.ndarray, depths: int):
-        """Hidden (B, L, d) float32, tokens (B, L + depths + 1) with -1 as padding,
-        prompt and row lengths (B,)."""
+    def gather(self, rows: np.ndarray, depths: int, side: bool = False):
+        """Hidden (B, L, d) float32 (``side``: (B, L, d * (1 + S)) with the
+        earlier layers' states after the last one's), tokens (B, L + depths + 1) with -1 as
+        padding, prompt and row lengths (B,)."""
         width = self.length + depths + 1
         tokens = np.full((rows.size, width), -1, dtype=np.int64)
         hidden, starts, ends = [], [], []
@@ -86,19 +94,23 @@ class Rows:
             p = self.parts[part]
             n = int(p["row_len"][r])
             tokens[b, :n] = p["tokens"][r, :n]
-            h = np.zeros((self.length, p["hidden"].shape[2]), dtype=np.float32)
-            h[:n] = p["hidden"][r, :n]
+            d = p["hidden"].shape[2]
+            extra = len(self.side_layers) if side else 0
+            h = np.zeros((self.length, d * (1 + extra)), dtype=np.float32)
+            h[:n, :d] = p["hidden"][r, :n]
+            if extra:
+                h[:n, d:] = p["side"][r, :n].reshape(n, -1)
             hidden.append(h)
             starts.append(int(p["prompt_len"][r]))
             ends.append(n)
         return np.stack(hidden), tokens, np.array(starts), np.array(ends)
 
 
-def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray) -> dict:
+def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray, side=False) -> dict:
     """A training batch of rows ``idx`` (see the module's docstring), cut to
     the longest row, with the first anchor that has a target at some depth
     (``first``; the indices count anchors from it)."""
-    hidden, tokens, starts, ends = rows.gather(idx, depths)
+    hidden, tokens, starts, ends = rows.gather(idx, depths, side)
     length = int(ends.max())
     first = min(max(0, int(starts.min()) - depths - 1), length - 1)
     hidden, tokens = hidden[:, :length], tokens[:, : length + depths + 1]

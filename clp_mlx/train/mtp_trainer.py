@@ -46,11 +46,12 @@ class MTPTrainConfig:
     init_from: str = ""  # a drafter folder whose MTP layer starts the run ("": as the backbone)
     keep_vocab: bool = False  # with init_from: its draft vocabulary, not one chosen from the data
     group_by_length: bool = False  # a step's rows from one group of rows of about one length
+    side: bool = False  # depth 1 also reads the earlier layers' states the data keeps
 
 
 # Settings added since checkpoints recorded ``feed``: one without them was made
 # with these values. (One without ``feed`` read another input: never resumed.)
-ADDED = {"init_from": "", "keep_vocab": False, "group_by_length": False}
+ADDED = {"init_from": "", "keep_vocab": False, "group_by_length": False, "side": False}
 GROUP_BATCHES = 16  # with group_by_length: rows a group, in batches
 
 
@@ -84,7 +85,7 @@ class MTPTrainer:
 
     def _loss(self, b: dict):
         total, hits, soft = mx.array(0.0), [], self.cfg.soft
-        width = b["h"].shape[-1]
+        width = self.model.args.hidden_size
         for j, g in enumerate(self.outputs(b), 1):
             at, y = b[f"at{j}"], b[f"y{j}"]
             if at.size == 0:  # no row of the batch reaches this depth inside its continuation
@@ -93,7 +94,7 @@ class MTPTrainer:
             logits = self.logits(g.reshape(-1, width)[at])
             ce = nn.losses.cross_entropy(logits, y, reduction="sum")
             if soft:  # the backbone's distribution where it chose y: its state one position on
-                h = b["h"][:, b["first"] :].reshape(-1, width)
+                h = b["h"][:, b["first"] :, :width].reshape(-1, width)
                 teacher = mx.softmax(h[at + j] @ self.w.T, axis=-1)
                 own = -(mx.stop_gradient(teacher) * nn.log_softmax(logits, axis=-1)).sum()
                 ce = (1 - soft) * ce + soft * own
@@ -112,8 +113,14 @@ class MTPTrainer:
         group = self.groups[rng.choice(len(sizes), p=sizes / sizes.sum())]
         return group[rng.integers(0, len(group), self.cfg.batch)]
 
+    def batch(self, idx: np.ndarray, rows: Rows | None = None) -> dict:
+        """Rows ``idx`` of ``rows`` (the training rows) as a batch, with the
+        earlier layers' states if the layer reads them."""
+        rows, side = self.rows if rows is None else rows, bool(self.layer.side_layers)
+        return batch(rows, idx, self.cfg.depths, self.id_map, side)
+
     def train_step(self) -> tuple[float, list[float]]:
-        b = batch(self.rows, self.batch_rows(self.step), self.cfg.depths, self.id_map)
+        b = self.batch(self.batch_rows(self.step))
         (loss, hits), grads = self._grad(b)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         self.opt.update(self.layer, grads)

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..decode.lookup import row_drafts
 from ..decode.mtp_drafter import draft_chance, run_scores, temperatures
+from ..errors import ClpError
 from ..model import backbone
 from ..model.heads import accept_count
 from .mtp_data import Rows
@@ -63,6 +64,17 @@ def targets(tokens: np.ndarray, starts, ends, length: int, k: int):
     return target, (at < ends[:, None, None]) & (at >= starts[:, None, None])
 
 
+def side_layers(bundle, rows: Rows) -> tuple:
+    """The earlier layers the drafter reads (none but for an MTP layer that
+    reads them), refused unless the rows keep those."""
+    side = bundle.mtp.side_layers if bundle.config.design == "mtp" else ()
+    if side and side != rows.side_layers:
+        kept = list(rows.side_layers) or "none"
+        raise ClpError(f"the drafter reads the states after layers {list(side)}; the data "
+                       f"keeps {kept} (distill --side-layers)")  # fmt: skip
+    return side
+
+
 def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 8) -> dict:
     """The report on ``rows``: per depth, how often the draft is right alone
     and with the ones before it, and chain verify's tokens per pass walking
@@ -71,13 +83,13 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
     where the context has a match, as verify drafts: ``CopyThenHeads``,
     ``CopiesFirst``); and clp mode's tokens a pass and share of passes that
     commit a wrong draft, at CLP's most likely run and at thresholds."""
-    k = bundle.k
+    k, side = bundle.k, side_layers(bundle, rows)
     hits = positions = 0
     runs_in, decided = [], {t: [] for t in THRESHOLDS}
     walks = {"drafter": [], "with_copies": []}
     for start in range(0, len(rows), batch_rows):
         idx = np.arange(start, min(len(rows), start + batch_rows))
-        hidden, tokens, starts, ends = rows.gather(idx, k)
+        hidden, tokens, starts, ends = rows.gather(idx, k, bool(side))
         drafts, clp = chain_drafts(model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
         counts = {t: np.array(accept_count(mx.array(clp), t)) for t in THRESHOLDS}
         target, inside = targets(tokens, starts, ends, rows.length, k)

@@ -59,6 +59,7 @@ class Settings:
     heldout: float = 0.02
     seed: int = 0
     dtype: str = "float32"
+    side_layers: tuple[int, ...] = ()  # earlier layers' states kept too (after n layers)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -68,6 +69,17 @@ class Settings:
                 raise ClpError(f"--{name.replace('_', '-')} must be 1 or more")
         if not 0 <= self.heldout <= 1:  # 1: an evaluation-only folder
             raise ClpError(f"--heldout must be in [0, 1], got {self.heldout}")
+        if len(set(self.side_layers)) != len(self.side_layers):
+            raise ClpError(f"--side-layers repeats a layer: {list(self.side_layers)}")
+
+    def record(self) -> dict:
+        """The settings as a manifest records them (no side_layers when none,
+        as before they existed)."""
+        out = asdict(self)
+        out["side_layers"] = list(self.side_layers)
+        if not self.side_layers:
+            del out["side_layers"]
+        return out
 
     @property
     def shards(self) -> int:
@@ -83,6 +95,7 @@ class Row:
     prompt_len: int
     tokens: np.ndarray  # (prompt_len + new_tokens,) int32
     hidden: np.ndarray  # (prompt_len + new_tokens, hidden) float16
+    side: np.ndarray | None = None  # (prompt_len + new_tokens, side layers, hidden) float16
 
 
 def is_heldout(prompt: np.ndarray, fraction: float) -> bool:
@@ -91,13 +104,24 @@ def is_heldout(prompt: np.ndarray, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") < fraction * 2**64
 
 
-def continue_batch(model, prompts: list[np.ndarray], new_tokens: int, tick=lambda n: None):
-    """Greedy continuations of ``prompts`` as one batch: (tokens, hidden) per row.
+def continue_batch(
+    model, prompts: list[np.ndarray], new_tokens: int, tick=lambda n: None, side_layers=()
+):
+    """Greedy continuations of ``prompts`` as one batch: (tokens, hidden,
+    side) per row, ``side`` the states after each of ``side_layers`` layers
+    (None without them).
 
     Prompts of different lengths are left-padded; mlx-lm's batch cache masks
     the padding and starts each row's positions at 0, so a row's tokens and
     states are its own, up to matmul rounding.
     """
+    if not side_layers:
+        return _continue_batch(model, prompts, new_tokens, tick, None)
+    with backbone.layer_outputs(model, tuple(side_layers)) as got:
+        return _continue_batch(model, prompts, new_tokens, tick, got)
+
+
+def _continue_batch(model, prompts, new_tokens, tick, got):
     from mlx_lm.models.cache import BatchKVCache
 
     width = max(len(p) for p in prompts)
@@ -106,8 +130,15 @@ def continue_batch(model, prompts: list[np.ndarray], new_tokens: int, tick=lambd
     for r, p in enumerate(prompts):
         x[r, pads[r] :] = p
     cache = [BatchKVCache(pads) for _ in model.layers]
+    sides = []
+
+    def keep_side():  # the pass's earlier-layer states, (B, n, S, d)
+        if got is not None:
+            sides.append(mx.stack([got[n].pop() for n in got], axis=2).astype(mx.float16))
+
     h = model.model(mx.array(x), cache=cache)
     states = [h.astype(mx.float16)]
+    keep_side()
     # A plain argmax: greedy up to near-ties, and the log-softmax mlx-lm's
     # greedy sampler adds costs ~2 ms a row on a 152k vocabulary.
     token = mx.argmax(backbone.project(model, h[:, -1:]), axis=-1)
@@ -116,23 +147,26 @@ def continue_batch(model, prompts: list[np.ndarray], new_tokens: int, tick=lambd
         chosen.append(token)
         h = model.model(token, cache=cache)  # the last pass only for its hidden state
         states.append(h.astype(mx.float16))
+        keep_side()
         if step + 1 < new_tokens:
             token = mx.argmax(backbone.project(model, h), axis=-1)
-        mx.eval(token, states[-1])
+        mx.eval(token, states[-1], *sides[-1:])
         tick(len(prompts))
     hidden = np.array(mx.concatenate(states, axis=1))
+    side = np.array(mx.concatenate(sides, axis=1)) if sides else None
     new = np.array(mx.concatenate(chosen, axis=1).astype(mx.int32))
     rows = [np.concatenate([p.astype(np.int32), new[r]]) for r, p in enumerate(prompts)]
-    return rows, [hidden[r, pads[r] :] for r in range(len(prompts))]
+    cut = lambda a: [None if a is None else a[r, pads[r] :] for r in range(len(prompts))]
+    return rows, cut(hidden), cut(side)
 
 
-def continue_rows(model, prompts: list[tuple[int, np.ndarray]], new_tokens: int, batch: int, tick):
+def continue_rows(model, prompts, new_tokens: int, batch: int, tick, side_layers=()):
     """:class:`Row` for each (index, prompt), ``batch`` prompts per pass."""
     rows = []
     for b in range(0, len(prompts), batch):
         part = prompts[b : b + batch]
-        tokens, hidden = continue_batch(model, [p for _, p in part], new_tokens, tick)
-        rows += [Row(i, len(p), t, h) for (i, p), t, h in zip(part, tokens, hidden)]
+        got = continue_batch(model, [p for _, p in part], new_tokens, tick, side_layers)
+        rows += [Row(i, len(p), *made) for (i, p), *made in zip(part, *got)]
     return rows
 
 
@@ -171,10 +205,14 @@ def distill(
     from tqdm import tqdm
 
     out = Path(out)
+    layers = model.args.num_hidden_layers
+    if any(not 1 <= n < layers for n in settings.side_layers):
+        raise ClpError(f"--side-layers must be 1 to {layers - 1} on this model, "
+                       f"got {list(settings.side_layers)}")  # fmt: skip
     prompts_of, inputs = prompt_source(model, tokenizer, settings, list(data))
     manifest = {
         "format": FORMAT,
-        "settings": asdict(settings),
+        "settings": settings.record(),
         "backbone": backbone.signature(model)["fingerprint"],
         "inputs": inputs,
         "hidden_size": model.args.hidden_size,
@@ -226,10 +264,10 @@ def _make_shard(model, out: Path, j: int, prompts_of, s: Settings, tick) -> None
     store.clear(out, j)
     prompts = prompts_of(s.indices(j))
     tick((len(s.indices(j)) - len(prompts)) * s.new_tokens)  # magpie indices given up
-    rows = continue_rows(model, prompts, s.new_tokens, s.batch, tick)
+    rows = continue_rows(model, prompts, s.new_tokens, s.batch, tick, s.side_layers)
     held = [is_heldout(r.tokens[: r.prompt_len], s.heldout) for r in rows]
     parts = {
         store.TRAIN: [r for r, h in zip(rows, held) if not h],
         store.HELD: [r for r, h in zip(rows, held) if h],
     }
-    store.write_shard(out, j, parts, s.kind)
+    store.write_shard(out, j, parts, s.kind, s.side_layers)

@@ -159,15 +159,24 @@ def clear(out: Path, j: int) -> None:
     clear_leftovers(out, j)
 
 
-def pack(rows: list, kind: str) -> dict[str, np.ndarray]:
-    """Rows (index, prompt_len, tokens, hidden) as arrays, right-padded to the longest."""
+def pack(rows: list, kind: str, side_layers=()) -> dict[str, np.ndarray]:
+    """Rows (index, prompt_len, tokens, hidden[, side]) as arrays, right-padded
+    to the longest; with ``side_layers``, the earlier layers' states as
+    ``side`` (rows, length, layers, hidden) and the layers' numbers."""
     length = max(len(r.tokens) for r in rows)
     tokens = np.full((len(rows), length), PAD, dtype=np.int32)
     hidden = np.zeros((len(rows), length, rows[0].hidden.shape[-1]), dtype=np.float16)
+    extra = {}
+    if side_layers:
+        side = np.zeros((len(rows), length, *rows[0].side.shape[1:]), dtype=np.float16)
+        for n, r in enumerate(rows):
+            side[n, : len(r.tokens)] = r.side
+        extra = {"side": side, "side_layers": np.asarray(side_layers, dtype=np.int32)}
     for n, r in enumerate(rows):
         tokens[n, : len(r.tokens)] = r.tokens
         hidden[n, : len(r.tokens)] = r.hidden
     return {
+        **extra,
         "tokens": tokens,
         "hidden": hidden,
         "prompt_len": np.asarray([r.prompt_len for r in rows], dtype=np.int32),
@@ -177,7 +186,7 @@ def pack(rows: list, kind: str) -> dict[str, np.ndarray]:
     }
 
 
-def write_shard(out: Path, j: int, parts: dict[str, list], kind: str) -> dict:
+def write_shard(out: Path, j: int, parts: dict[str, list], kind: str, side_layers=()) -> dict:
     """Write shard ``j``'s folders (``parts``: prefix -> rows), then its sidecar."""
     folders = {}
     for prefix, rows in parts.items():
@@ -185,7 +194,7 @@ def write_shard(out: Path, j: int, parts: dict[str, list], kind: str) -> dict:
             continue
         name = folder_name(prefix, j)
         with atomic_folder(out / name) as tmp:
-            for key, array in pack(rows, kind).items():
+            for key, array in pack(rows, kind, side_layers).items():
                 np.save(tmp / f"{key}.npy", array)
         positions = sum(len(r.tokens) for r in rows)
         folders[name] = {
@@ -229,6 +238,12 @@ def load_shard(folder: Path) -> dict[str, np.ndarray]:
         arrays[k].shape[0] != rows for k in ("prompt_len", "row_len", "index")
     ):
         raise ClpError(f"{folder}: not a whole shard (its arrays disagree on rows or length)")
+    side, layers = arrays.get("side"), arrays.get("side_layers")
+    if (side is None) != (layers is None) or side is not None and (
+        side.ndim != 4 or side.shape[:2] != arrays["tokens"].shape
+        or side.shape[2:] != (layers.size, arrays["hidden"].shape[2])
+    ):  # fmt: skip
+        raise ClpError(f"{folder}: not a whole shard (side.npy and side_layers.npy disagree)")
     return arrays
 
 
