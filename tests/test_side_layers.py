@@ -9,14 +9,17 @@ import numpy as np
 import pytest
 from conftest import decode_pairs, tiny_model, write_model_folder
 from mlx_lm.models.base import create_attention_mask
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.qwen2 import TransformerBlock
 
 from clp_mlx.cli.distill import main as distill
 from clp_mlx.cli.train_mtp import main as train_mtp
 from clp_mlx.decode.mtp_drafter import MTPDrafter
 from clp_mlx.errors import ClpError
-from clp_mlx.model.backbone import hidden_states, layer_outputs, load_backbone
+from clp_mlx.model.backbone import hidden_states, load_backbone
 from clp_mlx.model.heads_files import load_heads
+from clp_mlx.model.layer_states import layer_outputs, watch_layers
 from clp_mlx.model.mtp_layer import MTPLayer
 from clp_mlx.train.mtp_data import Rows
 from clp_mlx.train.rows_eval import evaluate_rows
@@ -53,12 +56,18 @@ def root(tmp_path_factory):
     return root
 
 
+def names(model):
+    return [k for k, _ in tree_flatten(model.parameters())]
+
+
 def test_layer_outputs_are_the_states_after_n_layers_and_the_model_is_restored():
     model = tiny_model(0, layers=3)
-    before = list(model.model.layers)
+    before, weights = list(model.model.layers), names(model)
     x = mx.array([[5, 9, 17, 33, 2]])
     with layer_outputs(model, (1, 2)) as got:
         final = model.model(x)
+        assert names(model) == weights  # the same tree while recording
+        assert all(isinstance(a, TransformerBlock) for a in model.model.layers)
     assert [type(a) for a in model.model.layers] == [type(a) for a in before]
     h = model.model.embed_tokens(x)
     mask = create_attention_mask(h, None)
@@ -69,12 +78,18 @@ def test_layer_outputs_are_the_states_after_n_layers_and_the_model_is_restored()
     with pytest.raises(ClpError, match="1 to 2"):
         with layer_outputs(model, (3,)):
             pass
+    watched = watch_layers(model, (2,))
+    model.model(x)
+    model.model(x[:, :3])
+    assert len(watched[2]) == 1 and watched[2][0].shape == (1, 3, 64)  # the latest pass only
+    assert watch_layers(model, (2,))[2] is watched[2] and names(model) == weights
 
 
 def test_distill_keeps_the_side_states_and_the_same_rows(root):
     plain = Rows.of([root / "plain"])
     side = Rows.of([root / "side"])
     assert plain.side_layers == () and side.side_layers == (1, 2)
+    assert Rows.of([root / "plain", root / "side"]).side_layers == ()  # not kept by all
     for a, b in zip(plain.parts, side.parts):
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
         np.testing.assert_array_equal(a["hidden"], b["hidden"])

@@ -211,7 +211,8 @@ def _trainer(args, cfg: MTPTrainConfig):
     rows = Rows.for_model(args.data, model.args)
     mx.random.seed(cfg.seed)  # the same start in every run of these flags
     if cfg.side and not rows.side_layers:
-        raise ClpError("--side: --data keeps no earlier layers' states (distill --side-layers)")
+        raise ClpError("--side: --data keeps no earlier layers' states, or not the same in "
+                       "every folder (distill --side-layers)")  # fmt: skip
     layer = MTPLayer(model.args, cfg.mlp_size, side_layers=rows.side_layers if cfg.side else ())
     kept = None
     if cfg.init_from:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..model import backbone
+from ..model.layer_states import watch_layers
 from .drafters import PassDrafts
 
 
@@ -32,7 +33,7 @@ class MTPDrafter:
         self.model, self.bundle, self.layer = model, bundle, bundle.mtp
         # The backbone's earlier layers' states, if the layer reads them (train_mtp --side).
         side = self.layer.side_layers
-        self.side = backbone.watch_layers(model, side) if side else None
+        self.side = watch_layers(model, side) if side else None
         self.k, self.stop = bundle.k, stop
         self.past = None  # (keys, values) of the committed positions
         self.offset = start  # the backbone position the next committed entry takes

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -127,55 +126,6 @@ def context_length(model: nn.Module) -> int | None:
 def hidden_states(model: nn.Module, tokens: mx.array, cache) -> mx.array:
     """Final-norm hidden states, (len(tokens), hidden), for a 1-D token array."""
     return model.model(tokens[None], cache=cache)[0]
-
-
-class _Recorder(nn.Module):
-    """A decoder layer that also keeps what it outputs (see :func:`layer_outputs`)."""
-
-    def __init__(self, inner: nn.Module, sink: list, last_only: bool = False):
-        super().__init__()
-        self.inner, self.sink, self.last_only = inner, sink, last_only
-
-    def __call__(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
-        if self.last_only:
-            self.sink.clear()
-        self.sink.append(out)
-        return out
-
-
-@contextmanager
-def layer_outputs(model: nn.Module, after: tuple[int, ...]):
-    """While open, every pass appends to ``got[n]`` (the dict it yields) the
-    residual stream after the first ``n`` decoder layers, for each ``n`` in
-    ``after`` (1 .. layers - 1): the earlier layers' states that EAGLE-3's
-    draft head reads beside the last one."""
-    layers = model.model.layers
-    if any(not 1 <= n < len(layers) for n in after):
-        raise ClpError(f"layers to read must be 1 to {len(layers) - 1}, got {list(after)}")
-    got = {n: [] for n in after}
-    for n in after:
-        layers[n - 1] = _Recorder(layers[n - 1], got[n])
-    try:
-        yield got
-    finally:
-        for n in after:
-            layers[n - 1] = layers[n - 1].inner
-
-
-def watch_layers(model: nn.Module, after: tuple[int, ...]) -> dict[int, list]:
-    """From now on, keep the latest pass's residual stream after the first
-    ``n`` decoder layers, for each ``n`` in ``after``: ``got[n][-1]`` (a
-    lazy array of that pass, (B, L, d)). For a drafter that reads them while
-    decoding; the recorders stay (one per layer, shared by later callers)."""
-    layers, got = model.model.layers, {}
-    if any(not 1 <= n < len(layers) for n in after):
-        raise ClpError(f"layers to read must be 1 to {len(layers) - 1}, got {list(after)}")
-    for n in after:
-        if not (isinstance(layers[n - 1], _Recorder) and layers[n - 1].last_only):
-            layers[n - 1] = _Recorder(layers[n - 1], [], last_only=True)
-        got[n] = layers[n - 1].sink
-    return got
 
 
 def project(model: nn.Module, h: mx.array) -> mx.array:

@@ -28,12 +28,9 @@ class Rows:
         self.length = max(p["tokens"].shape[1] for p in self.parts)
         self.where = [(i, r) for i, p in enumerate(self.parts) for r in range(len(p["tokens"]))]
         kept = {tuple(p["side_layers"].tolist()) if "side" in p else () for p in self.parts}
-        if len(kept) > 1:
-            raise ClpError("the data folders keep different earlier layers (distill "
-                           f"--side-layers): {sorted(kept)}")  # fmt: skip
-        # Earlier layers' states (distill --side-layers), given after the last
-        # layer's in each position's vector: (B, L, d * (1 + len(side_layers))).
-        self.side_layers = kept.pop()
+        # Earlier layers' states that every folder keeps (distill --side-layers),
+        # given after the last layer's in each position's vector (:meth:`gather`).
+        self.side_layers = kept.pop() if len(kept) == 1 else ()
 
     @classmethod
     def of(cls, dirs: list[Path], heldout: bool = False) -> Rows:

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import ClpError
 from ..model import backbone
+from ..model.layer_states import layer_outputs
 from . import selfdistill_store as store
 from .selfdistill_magpie import asked_prompts, inputs_digest, magpie_prompts
 from .selfdistill_prompts import text_prompts
@@ -117,7 +118,7 @@ def continue_batch(
     """
     if not side_layers:
         return _continue_batch(model, prompts, new_tokens, tick, None)
-    with backbone.layer_outputs(model, tuple(side_layers)) as got:
+    with layer_outputs(model, tuple(side_layers)) as got:
         return _continue_batch(model, prompts, new_tokens, tick, got)
 
 
