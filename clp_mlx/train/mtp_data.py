@@ -86,13 +86,13 @@ class Rows:
         width = self.length + depths + 1
         tokens = np.full((rows.size, width), -1, dtype=np.int64)
         hidden, starts, ends = [], [], []
+        extra = len(self.side_layers) if side else 0
         for b, i in enumerate(rows):
             part, r = self.where[i]
             p = self.parts[part]
             n = int(p["row_len"][r])
             tokens[b, :n] = p["tokens"][r, :n]
             d = p["hidden"].shape[2]
-            extra = len(self.side_layers) if side else 0
             h = np.zeros((self.length, d * (1 + extra)), dtype=np.float32)
             h[:n, :d] = p["hidden"][r, :n]
             if extra:
