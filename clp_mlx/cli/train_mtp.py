@@ -44,6 +44,8 @@ HELP = {
     "fewer padded positions a step, each row as likely as without",
     "side": "depth 1 also reads the earlier layers' states that --data keeps "
     "(distill --side-layers), as EAGLE-3's draft head; they start with no weight",
+    "prompt_targets": "also train at the rows' prompt positions, each on the backbone's "
+    "greedy token there (EAGLE trains on fixed text so): more targets from the same data",
 }
 FLAGS = tuple(HELP)
 

@@ -4,7 +4,11 @@ A batch is whole rows: the backbone's hidden states (B, L, d) and tokens
 (B, L + depths + 1), and per depth ``j`` (1-based) the flat (row, anchor)
 indices whose target ``x_{s+j+1}`` is a greedy token of the row (at or past
 the prompt, before ``row_len``) and in the draft vocabulary, with those
-targets as draft-vocabulary indices.
+targets as draft-vocabulary indices. Given the backbone's greedy tokens at the
+prompt's positions (its argmax one position before, which the prompt's own text
+often is not), prompt positions are targets too, each of that token, while the
+layer still reads the prompt's own tokens: teacher forcing on fixed text, as
+EAGLE trains its heads.
 """
 
 from __future__ import annotations
@@ -59,8 +63,18 @@ class Rows:
     def __len__(self) -> int:
         return len(self.where)
 
-    def positions(self) -> int:
+    def positions(self, prompts: bool = False) -> int:
+        """Greedy (generated) positions; ``prompts``: every position a depth-1
+        draft can target, the prompt's too (from the third on)."""
+        if prompts:
+            return int(sum(p["row_len"].sum() - 2 * len(p["row_len"]) for p in self.parts))
         return int(sum(p["row_len"].sum() - p["prompt_len"].sum() for p in self.parts))
+
+    def prompt_hidden(self, i: int) -> np.ndarray:
+        """Row ``i``'s last-layer states at its prompt's positions, (prompt_len, d)."""
+        part, r = self.where[i]
+        p = self.parts[part]
+        return np.asarray(p["hidden"][r, : int(p["prompt_len"][r])], dtype=np.float32)
 
     def length_groups(self, size: int, seed: int) -> list[np.ndarray]:
         """Every row index once, in groups of about ``size`` rows of about the
@@ -103,20 +117,31 @@ class Rows:
         return np.stack(hidden), tokens, np.array(starts), np.array(ends)
 
 
-def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray, side=False) -> dict:
+def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray, side=False,
+          prompt_greedy=None) -> dict:  # fmt: skip
     """A training batch of rows ``idx`` (see the module's docstring), cut to
     the longest row, with the first anchor that has a target at some depth
-    (``first``; the indices count anchors from it)."""
+    (``first``; the indices count anchors from it). ``prompt_greedy``: a
+    function of a row index giving the backbone's greedy token at each of its
+    prompt's positions (index ``p``: the token it chose after position ``p - 1``;
+    index 0 unused); with it, those are targets too."""
     hidden, tokens, starts, ends = rows.gather(idx, depths, side)
+    targets = tokens
+    if prompt_greedy is not None:
+        targets = tokens.copy()
+        for b, i in enumerate(idx):
+            targets[b, 1 : starts[b]] = prompt_greedy(int(i))[1 : starts[b]]
+        starts = np.minimum(starts, 1)
     length = int(ends.max())
     first = min(max(0, int(starts.min()) - depths - 1), length - 1)
     hidden, tokens = hidden[:, :length], tokens[:, : length + depths + 1]
+    targets = targets[:, : length + depths + 1]
     s = np.arange(first, length)[None]
     out = {"h": mx.array(hidden), "tokens": mx.array(np.maximum(tokens, 0)), "first": first}
     for j in range(1, depths + 1):
         target_at = s + j + 1
         greedy = (target_at >= starts[:, None]) & (target_at < ends[:, None])
-        target = np.take_along_axis(tokens, np.minimum(target_at, tokens.shape[1] - 1), 1)
+        target = np.take_along_axis(targets, np.minimum(target_at, targets.shape[1] - 1), 1)
         mapped = id_map[np.maximum(target, 0)]
         flat = np.flatnonzero(greedy & (mapped >= 0))
         out[f"at{j}"] = mx.array(flat.astype(np.int32))

@@ -47,11 +47,13 @@ class MTPTrainConfig:
     keep_vocab: bool = False  # with init_from: its draft vocabulary, not one chosen from the data
     group_by_length: bool = False  # a step's rows from one group of rows of about one length
     side: bool = False  # depth 1 also reads the earlier layers' states the data keeps
+    prompt_targets: bool = False  # prompt positions train too, on the backbone's greedy tokens
 
 
 # Settings added since checkpoints recorded ``feed``: one without them was made
 # with these values. (One without ``feed`` read another input: never resumed.)
-ADDED = {"init_from": "", "keep_vocab": False, "group_by_length": False, "side": False}
+ADDED = {"init_from": "", "keep_vocab": False, "group_by_length": False, "side": False,
+         "prompt_targets": False}  # fmt: skip
 GROUP_BATCHES = 16  # with group_by_length: rows a group, in batches
 
 
@@ -70,7 +72,8 @@ class MTPTrainer:
         self.groups, self.targets = None, 0.0
         if cfg.group_by_length:  # each depth's loss: a sum over a batch's targets / their mean
             self.groups = rows.length_groups(GROUP_BATCHES * cfg.batch, cfg.seed)
-            self.targets = cfg.batch * rows.positions() / len(rows)
+            self.targets = cfg.batch * rows.positions(cfg.prompt_targets) / len(rows)
+        self._prompt_greedy: dict[int, np.ndarray] = {}
         self._grad = nn.value_and_grad(layer, self._loss)
 
     def logits(self, g: mx.array) -> mx.array:
@@ -115,9 +118,23 @@ class MTPTrainer:
 
     def batch(self, idx: np.ndarray, rows: Rows | None = None) -> dict:
         """Rows ``idx`` of ``rows`` (the training rows) as a batch, with the
-        earlier layers' states if the layer reads them."""
-        rows, side = self.rows if rows is None else rows, bool(self.layer.side_layers)
-        return batch(rows, idx, self.cfg.depths, self.id_map, side)
+        earlier layers' states if the layer reads them; training rows with
+        their prompts' targets if the run trains on those (held-out checks
+        stay on the greedy continuations, what decoding drafts)."""
+        side = bool(self.layer.side_layers)
+        greedy = self.prompt_greedy if rows is None and self.cfg.prompt_targets else None
+        rows = self.rows if rows is None else rows
+        return batch(rows, idx, self.cfg.depths, self.id_map, side, greedy)
+
+    def prompt_greedy(self, i: int) -> np.ndarray:
+        """The backbone's greedy token after each position of training row
+        ``i``'s prompt (index ``p``: its argmax at ``p - 1``; the last is the
+        row's first generated token), from the stored states; once a row."""
+        if i not in self._prompt_greedy:
+            h = mx.array(self.rows.prompt_hidden(i))
+            chosen = np.array(mx.argmax(backbone.project(self.model, h), axis=-1))
+            self._prompt_greedy[i] = np.concatenate([[-1], chosen])
+        return self._prompt_greedy[i]
 
     def train_step(self) -> tuple[float, list[float]]:
         b = self.batch(self.batch_rows(self.step))
