@@ -23,6 +23,14 @@ def distilled(root):
     return root
 
 
+def train_argv(root, out, *extra, steps: int = 6):
+    """train_mtp's flags for a short 2-depth run on :func:`distilled`'s rows into ``root/out``."""
+    return ["--model", str(root / "tiny"), "--data", str(root / "data"), "--out", str(root / out),
+            "--steps", str(steps), "--batch", "3", "--depths", "2", "--mlp-size", "32",
+            "--draft-vocab", "64", "--warmup", "2", "--checkpoint-every", "2", "--quiet",
+            *extra]  # fmt: skip
+
+
 def trained(root, steps: int = 30):
     """:func:`distilled`, and ``root/m/drafter``: a 2-depth layer trained on its rows."""
     distilled(root)

@@ -10,7 +10,7 @@ import pytest
 from conftest import decode_pairs
 from mlx import nn
 from mlx.utils import tree_flatten
-from mtp_helpers import distilled
+from mtp_helpers import distilled, train_argv
 
 from clp_mlx.api import load_with_drafter
 from clp_mlx.cli.train_mtp import main
@@ -21,13 +21,6 @@ from clp_mlx.train import mtp_trainer
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return distilled(tmp_path_factory.mktemp("train_mtp"))
-
-
-def train_argv(root, out, *extra):
-    return ["--model", str(root / "tiny"), "--data", str(root / "data"), "--out", str(root / out),
-            "--steps", "6", "--batch", "3", "--depths", "2", "--mlp-size", "32",
-            "--draft-vocab", "64", "--warmup", "2", "--checkpoint-every", "2", "--quiet",
-            *extra]  # fmt: skip
 
 
 def weights(folder):

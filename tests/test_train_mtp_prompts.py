@@ -6,7 +6,7 @@ checks stay on the greedy continuations."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from mtp_helpers import distilled
+from mtp_helpers import distilled, train_argv
 
 from clp_mlx.cli.train_mtp import _trainer, main, setup_arg_parser
 from clp_mlx.errors import ClpError
@@ -21,10 +21,7 @@ def root(tmp_path_factory):
 
 
 def argv(root, out, *extra):
-    return ["--model", str(root / "tiny"), "--data", str(root / "data"), "--out", str(root / out),
-            "--steps", "4", "--batch", "3", "--depths", "2", "--mlp-size", "32",
-            "--draft-vocab", "64", "--warmup", "2", "--checkpoint-every", "2", "--quiet",
-            *extra]  # fmt: skip
+    return train_argv(root, out, *extra, steps=4)
 
 
 def trainer(root, *extra):
