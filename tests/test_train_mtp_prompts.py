@@ -3,6 +3,8 @@ backbone's greedy token there (its argmax one position before, from the
 stored states), while the layer reads the prompt's own tokens; held-out
 checks stay on the greedy continuations."""
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -95,6 +97,8 @@ def test_prompt_targets_count_in_the_grouped_loss_divisor(root):
 
 def test_prompt_targets_train_resume_and_are_their_own_setting(root):
     assert main(argv(root, "p", "--prompt-targets")) == 0
+    report = json.loads((root / "p" / "drafter" / "training.json").read_text())
+    assert report["train_positions"] == Rows.of([root / "data"]).positions(prompts=True) > 0
     assert main([*argv(root, "p", "--prompt-targets"), "--eval"]) == 0
     with pytest.raises(ClpError, match="no checkpoint of these flags"):
         main([*argv(root, "p"), "--eval"])  # targets of another kind: another run

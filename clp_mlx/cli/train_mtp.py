@@ -169,7 +169,7 @@ def _write_drafter(args, trainer, folder: Path, command: str, timing: dict) -> N
         "command": command,
         "data": data,
         "train_rows": len(rows),
-        "train_positions": rows.positions(),
+        "train_positions": rows.positions(trainer.cfg.prompt_targets),  # every target position
         "config": asdict(trainer.cfg),
         "draft_vocab_coverage": round(float(np.isin(greedy, trainer.vocab_ids).mean()), 4),
         **timing,  # "seconds": this run's training only
