@@ -21,6 +21,7 @@ from clp_mlx.model.backbone import hidden_states, load_backbone
 from clp_mlx.model.heads_files import load_heads
 from clp_mlx.model.layer_states import layer_outputs, watch_layers
 from clp_mlx.model.mtp_layer import MTPLayer
+from clp_mlx.train import mtp_trainer
 from clp_mlx.train.mtp_data import Rows
 from clp_mlx.train.rows_eval import evaluate_rows
 
@@ -127,6 +128,36 @@ def test_training_with_side_moves_its_weights_and_records_them(root, capsys):
     assert train(root, "side", "fused", *argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["step"] == 12 and report["side"]["accepted_by_depth"]["t+2"] >= 0
+
+
+def test_side_lr_is_the_side_projections_own_rate_and_resumes(root, monkeypatch):
+    """--side-lr moves the side projection at its own rate (here almost not at
+    all) while the rest learns at --lr; a killed run resumes to the same weights."""
+    model, _ = load_backbone(root / "tiny")
+    base = root / "base/drafter"
+    slow = ["--side", "--init-from", str(base), "--side-lr", "1e-9"]
+    assert train(root, "side", "slow_side", *slow) == 0
+    layer, start = load_heads(root / "slow_side/drafter", model).mtp, load_heads(base, model).mtp
+    assert float(mx.abs(layer.side_fc.weight).max()) < 1e-6  # from zero, steps of ~1e-9
+    assert not np.allclose(np.array(layer.fc.weight), np.array(start.fc.weight))
+    step = mtp_trainer.MTPTrainer.train_step
+
+    def dying(self):
+        if self.step == 8:  # after the checkpoint at step 6
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(mtp_trainer.MTPTrainer, "train_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        train(root, "side", "killed_side", *slow)
+    monkeypatch.setattr(mtp_trainer.MTPTrainer, "train_step", step)
+    assert train(root, "side", "killed_side", *slow) == 0
+    whole = dict(tree_flatten(layer.parameters()))
+    resumed = dict(tree_flatten(load_heads(root / "killed_side/drafter", model).mtp.parameters()))
+    for name in whole:
+        np.testing.assert_array_equal(np.array(whole[name]), np.array(resumed[name]), err_msg=name)
+    with pytest.raises(ClpError, match="only with --side"):
+        train(root, "side", "z", "--side-lr", "1e-3")
 
 
 def test_what_cannot_read_side_states_is_refused(root, tmp_path):

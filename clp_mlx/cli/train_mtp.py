@@ -44,6 +44,8 @@ HELP = {
     "fewer padded positions a step, each row as likely as without",
     "side": "depth 1 also reads the earlier layers' states that --data keeps "
     "(distill --side-layers), as EAGLE-3's draft head; they start with no weight",
+    "side_lr": "with --side: peak learning rate of the projection of the earlier layers' states, "
+    "which starts at zero (0: --lr), e.g. to let it learn faster than the tuned rest",
     "prompt_targets": "also train at the rows' prompt positions, each on the backbone's "
     "greedy token there (EAGLE trains on fixed text so): more targets from the same data",
 }
@@ -89,6 +91,8 @@ def main(argv=None) -> int:
         raise ClpError("--lr must be in (0, 1), --decay in (0, 1], --mlp-size and --warmup >= 0")
     if not 0 <= cfg.soft <= 1:
         raise ClpError("--soft must be in [0, 1]")
+    if not 0 <= cfg.side_lr < 1 or (cfg.side_lr and not cfg.side):
+        raise ClpError("--side-lr must be in [0, 1), and given only with --side")
     if cfg.keep_vocab and not cfg.init_from:
         raise ClpError("--keep-vocab keeps the vocabulary of --init-from's drafter: give one")
     if not 0 <= args.lookup <= MAX_LOOKUP:

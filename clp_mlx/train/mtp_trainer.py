@@ -48,12 +48,13 @@ class MTPTrainConfig:
     group_by_length: bool = False  # a step's rows from one group of rows of about one length
     side: bool = False  # depth 1 also reads the earlier layers' states the data keeps
     prompt_targets: bool = False  # prompt positions train too, on the backbone's greedy tokens
+    side_lr: float = 0.0  # with side: peak learning rate of the side projection (0: lr)
 
 
 # Settings added since checkpoints recorded ``feed``: one without them was made
 # with these values. (One without ``feed`` read another input: never resumed.)
 ADDED = {"init_from": "", "keep_vocab": False, "group_by_length": False, "side": False,
-         "prompt_targets": False}  # fmt: skip
+         "prompt_targets": False, "side_lr": 0.0}  # fmt: skip
 GROUP_BATCHES = 16  # with group_by_length: rows a group, in batches
 
 
@@ -65,9 +66,10 @@ class MTPTrainer:
         ids = mx.array(self.vocab_ids)
         self.w = backbone.output_rows(model, ids).astype(mx.float32)
         model.freeze()
-        warm = optim.linear_schedule(1e-7, cfg.lr, max(1, cfg.warmup))
-        decay = optim.cosine_decay(cfg.lr, max(1, cfg.steps - cfg.warmup), cfg.lr / 10)
-        self.opt = optim.AdamW(optim.join_schedules([warm, decay], [cfg.warmup]), weight_decay=0.01)
+        self.opt = self.optimizer(cfg.lr)
+        if layer.side_layers and cfg.side_lr and cfg.side_lr != cfg.lr:  # the side projection's own rate
+            side = lambda path, _: path.startswith("side_")
+            self.opt = optim.MultiOptimizer([self.optimizer(cfg.side_lr), self.opt], [side])
         self.step, self.history = 0, []
         self.groups, self.targets = None, 0.0
         if cfg.group_by_length:  # each depth's loss: a sum over a batch's targets / their mean
@@ -75,6 +77,13 @@ class MTPTrainer:
             self.targets = cfg.batch * rows.positions(cfg.prompt_targets) / len(rows)
         self._prompt_greedy: dict[int, np.ndarray] = {}
         self._grad = nn.value_and_grad(layer, self._loss)
+
+    def optimizer(self, lr: float) -> optim.AdamW:
+        """AdamW at peak rate ``lr``: linear warm-up, then cosine decay to lr / 10."""
+        cfg = self.cfg
+        warm = optim.linear_schedule(1e-7, lr, max(1, cfg.warmup))
+        decay = optim.cosine_decay(lr, max(1, cfg.steps - cfg.warmup), lr / 10)
+        return optim.AdamW(optim.join_schedules([warm, decay], [cfg.warmup]), weight_decay=0.01)
 
     def logits(self, g: mx.array) -> mx.array:
         """Scores over the draft vocabulary for layer outputs ``g`` (..., d)."""
