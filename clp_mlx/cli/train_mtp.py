@@ -45,7 +45,7 @@ HELP = {
     "side": "depth 1 also reads the earlier layers' states that --data keeps "
     "(distill --side-layers), as EAGLE-3's draft head; they start with no weight",
     "side_lr": "with --side: peak learning rate of the projection of the earlier layers' states, "
-    "which starts at zero (0: --lr), e.g. to let it learn faster than the tuned rest",
+    "which starts at zero (0: --lr)",
     "prompt_targets": "also train at the rows' prompt positions, each on the backbone's "
     "greedy token there (EAGLE trains on fixed text so): more targets from the same data",
 }
