@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from .model import backbone
 from .decode.config import DecodeConfig
+from .decode.layer_cache import make_prompt_cache as _make_prompt_cache
 from .decode.loop import decode
 from .decode.steps import DecodeStats, tokens_with_logprobs
 from .responses import Response  # noqa: F401  (re-exported: clp_mlx.api.Response)
@@ -148,6 +149,14 @@ def decode_config(
 
 
 _ATTACHED = object()  # stream_generate's heads: the drafter load() attached, if any
+
+
+def make_prompt_cache(model, heads: MTPBundle | None = _ATTACHED) -> list:
+    """mlx-lm's prompt cache for ``model``, with the MTP layer's keys after
+    it (as mlx-lm puts a draft model's cache after the model's): a cache
+    kept across calls then lets the layer draft with the earlier turns too.
+    ``heads``: default, the drafter :func:`load` attached."""
+    return _make_prompt_cache(model, drafter_of(model) if heads is _ATTACHED else heads)
 
 
 def stream_generate(

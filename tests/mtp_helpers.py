@@ -1,10 +1,24 @@
 """A tiny model and its self-distilled data, for the MTP-layer tests."""
 
+import mlx.core as mx
 import numpy as np
 from conftest import tiny_model, write_model_folder
 
 from clp_mlx.cli.distill import main as distill
 from clp_mlx.cli.train_mtp import main as train_mtp
+from clp_mlx.model.heads_files import init_heads
+
+
+def attending_layer():
+    """A tiny model and a 3-depth MTP layer whose attention matters (random
+    residual branches, where a new layer's are zero)."""
+    model = tiny_model(0)
+    bundle = init_heads(model, 3, design="mtp", gate=False, head0=False, seed=1)
+    mx.random.seed(7)
+    o = bundle.mtp.block.self_attn.o_proj
+    o.weight = mx.random.normal(o.weight.shape) * 0.3
+    return model, bundle
+
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing".split()
 

@@ -8,7 +8,8 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import decode_pairs, tiny_model
+from conftest import decode_pairs
+from mtp_helpers import attending_layer
 
 from clp_mlx import api
 from clp_mlx.decode.choose import make_drafter
@@ -17,16 +18,12 @@ from clp_mlx.decode.feed import best_feed, deeper_cannot_pay
 from clp_mlx.decode.mtp_drafter import MTPDrafter, run_scores
 from clp_mlx.decode.sampling import Sampling
 from clp_mlx.errors import ClpError
-from clp_mlx.model.heads_files import init_heads, load_heads, save_heads
+from clp_mlx.model.heads_files import load_heads, save_heads
 
 
 @pytest.fixture(scope="module")
 def setup():
-    model = tiny_model(0)
-    bundle = init_heads(model, 3, design="mtp", gate=False, head0=False, seed=1)
-    mx.random.seed(7)  # a layer that attends: random residual branches
-    o = bundle.mtp.block.self_attn.o_proj
-    o.weight = mx.random.normal(o.weight.shape) * 0.3
+    model, bundle = attending_layer()
     tokens = mx.random.randint(0, 128, (40,))
     hidden = model.model(tokens[None])[0]
     return model, bundle, tokens, hidden

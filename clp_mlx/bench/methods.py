@@ -1,7 +1,8 @@
 """The benchmarked methods: our named decode configs and mlx-lm's two decoders.
 
 Every method is timed the same way from the same start: a prompt is fed once
-(all but its last token, timed: the prefill) into a cache of the backbone and
+(all but its last token, timed: the prefill) into a cache of the backbone (with
+the MTP layer's keys, as generate keeps them: :mod:`..decode.layer_cache`) and
 one of the draft model, and each method decodes from those caches, rewound to
 the prompt after it. The clock starts before the generator is created, the
 first token marks the first pass over the prompt's last token, and decode
@@ -16,10 +17,12 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..decode.config import MODES, DecodeConfig
+from ..decode.layer_cache import LayerCache, trim_to
 from ..decode.loop import decode, prefill
+from ..decode.mtp_drafter import MTPDrafter
 from ..decode.steps import DecodeStats, tokens_of
 from ..errors import ClpError
 from ..model.tokens import prompt_ids
@@ -97,37 +100,39 @@ class Start:
     ids: list
     cache: list  # the backbone's
     draft_cache: list | None  # the draft model's, for mlx-lm-draft
-    seconds: float  # the backbone's prefill
+    seconds: float  # the backbone's prefill (the MTP layer's keys included)
+    layer: LayerCache | None = None  # the MTP layer's keys, for our methods
 
     @classmethod
-    def prefill(cls, model, ids: list, draft=None) -> Start:
+    def prefill(cls, model, ids: list, draft=None, heads=None) -> Start:
         ids, _ = prompt_ids(ids, model)  # the ids are fed here, not through decode()
         if draft is not None:
             prompt_ids(ids, draft)
         prompt = mx.array(ids, dtype=mx.uint32)
+        mtp = heads is not None and heads.config.design == "mtp"
+        layer = LayerCache() if mtp else None
         tic = time.perf_counter()
         cache = make_prompt_cache(model)
-        prefill(model, prompt, cache)
+        prefill(model, prompt, cache, MTPDrafter(model, heads, cache=layer) if mtp else None)
         seconds = time.perf_counter() - tic
         draft_cache = None
         if draft is not None:
             draft_cache = make_prompt_cache(draft)
             prefill(draft, prompt, draft_cache)
-        return cls(list(ids), cache, draft_cache, seconds)
+        return cls(list(ids), cache, draft_cache, seconds, layer)
 
     def rewind(self) -> None:
         """Drop what a method added after the prompt."""
-        for c in (self.cache, self.draft_cache):
+        for c in (self.cache, self.draft_cache, [self.layer] if self.layer else None):
             if c is not None:
-                trim_prompt_cache(c, c[0].offset - (len(self.ids) - 1))
+                trim_to(c, len(self.ids) - 1)
 
 
 def _ours(model, heads, start, method, max_tokens):
     config = replace(method_config(method), max_tokens=max_tokens).resolve(model, heads)
     stats = DecodeStats(config.mode, config.draft_len or 0)
-    steps = decode(
-        start.ids[-1:], model, heads, config, prompt_cache=start.cache, context=start.ids[:-1]
-    )
+    held = start.cache + ([start.layer] if start.layer is not None else [])
+    steps = decode(start.ids[-1:], model, heads, config, prompt_cache=held, context=start.ids[:-1])
     tokens = (t for t, _ in tokens_of(stats.counting(steps)))
     return tokens, lambda: (stats.steps, list(stats.accepted))
 

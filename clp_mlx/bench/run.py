@@ -21,7 +21,7 @@ def bench(
     methods = ["ar", *(m for m in dict.fromkeys(methods) if m != "ar")]
     kw = {"draft": draft, "draft_tokens": draft_tokens}
     drafting = draft if "mlx-lm-draft" in methods else None
-    start = Start.prefill(model, prompts[0], drafting)
+    start = Start.prefill(model, prompts[0], drafting, heads)
     for m in methods:  # warm-up: first-call costs stay out of the figures
         run_one(model, heads, start, m, min(WARMUP_TOKENS, max_tokens), **kw)
     runs = {m: [] for m in methods}
@@ -29,7 +29,7 @@ def bench(
     total = len(prompts) * repeats * len(methods)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, leave=False)
     for i, ids in enumerate(prompts):
-        start = Start.prefill(model, ids, drafting)
+        start = Start.prefill(model, ids, drafting, heads)
         prefills.append(start.seconds)
         for _ in range(repeats):
             for m in methods:

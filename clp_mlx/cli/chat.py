@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         raise ClpError("this model has no chat template; use clp_mlx.generate")
     config = replace(config, mode=resolved.mode)
     limit = kv_limit(args.max_kv_size, model)
-    conv = Conversation(model, tokenizer, args.system_prompt)
+    conv = Conversation(model, tokenizer, args.system_prompt, heads)
     sampling = f"temp {args.temp}, top-p {args.top_p}, min-p {args.min_p}, top-k {args.top_k}"
     k = resolved.draft_len or 0
     drafts = "" if heads is not None or not k else " context drafts"

@@ -3,9 +3,8 @@ pieces of the chat template that turns are built from (see :mod:`.chat`)."""
 
 from __future__ import annotations
 
-from mlx_lm.models.cache import make_prompt_cache
-
 from ..api import Response
+from ..decode.layer_cache import held, make_prompt_cache, trim_to
 from ..errors import ClpError
 from ..model.tokens import check_text
 
@@ -47,19 +46,20 @@ class Conversation:
     rest (``unfed``) go in with the next turn.
     """
 
-    def __init__(self, model, tokenizer, system_prompt: str | None = None):
+    def __init__(self, model, tokenizer, system_prompt: str | None = None, heads=None):
         self.model, self.tokenizer, self.system_prompt = model, tokenizer, system_prompt
+        self.heads = heads  # an MTP layer's keys are kept with the backbone's
         self.close, self.opening, self.reply = template_pieces(tokenizer)
         self.reset()
 
     def reset(self) -> None:
         self.tokens: list[int] = []
-        self.cache = make_prompt_cache(self.model)
+        self.cache = make_prompt_cache(self.model, self.heads)
         self.turns: list[tuple[int, int, Response]] = []  # (new, carried over, last response)
 
     @property
     def cached(self) -> int:
-        return min(c.offset for c in self.cache)
+        return held(self.cache)
 
     @property
     def unfed(self) -> list[int]:
@@ -97,10 +97,7 @@ class Conversation:
         eos = self.tokenizer.eos_token_ids
         if self.tokens and self.tokens[-1] in eos and not self._closed_by():
             self.tokens.pop()  # an end token the template does not close with (<|endoftext|>)
-        keep = min(len(self.tokens), self.cached)
-        for c in self.cache:
-            if c.offset > keep:
-                c.trim(c.offset - keep)
+        trim_to(self.cache, min(len(self.tokens), self.cached))
 
     def summary(self, limit: int) -> str:
         lines = [f"{len(self.turns)} turns, {len(self.tokens)} of {limit} tokens in the context"]

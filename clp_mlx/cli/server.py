@@ -48,7 +48,7 @@ class Engine:
     def __init__(self, model, tokenizer, heads, config, model_id: str, cache_size: int = 4):
         self.model, self.tokenizer, self.heads, self.config = model, tokenizer, heads, config
         self.model_id, self.lock = model_id, threading.Lock()
-        self.caches = PromptCaches(model, cache_size)
+        self.caches = PromptCaches(model, cache_size, heads)
         self.cached = 0  # how many prompt tokens the last request found in a kept cache
 
     def prompt_ids(self, req: Request) -> list[int]:

@@ -9,16 +9,17 @@ from .mtp_drafter import MTPDrafter
 
 
 def make_drafter(
-    model, heads, config, tokens: list[int], width: int = 1, start: int = 0
+    model, heads, config, tokens: list[int], width: int = 1, start: int = 0, layer=None
 ) -> Drafter | None:
     """The drafter a resolved ``config`` asks for; ``tokens``: the context so
-    far; ``start``: the position the prompt starts at (a kept cache's length)."""
+    far; ``start``: the position the prompt starts at (a kept cache's length);
+    ``layer``: the MTP layer's kept cache (:mod:`.layer_cache`), if any."""
     if config.mode == "ar":
         return None
     if heads is None:
         return CopyDrafter(config.draft_len, tokens)
     if heads.config.design == "mtp":
-        layer = MTPDrafter(model, heads, start, depth_rule(model, config, heads.k))
+        layer = MTPDrafter(model, heads, start, depth_rule(model, config, heads.k), layer)
         if not config.context_drafts:
             return layer
         return CopiesFirst(layer, tokens, heads.config.lookup, config.draft_len)

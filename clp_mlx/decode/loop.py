@@ -19,6 +19,8 @@ from ..model.tokens import prompt_ids
 from .ar import ar
 from .choose import make_drafter
 from .config import DecodeConfig
+from .layer_cache import held as held_by
+from .layer_cache import resume, split
 from .sampling import Sampler
 from .steps import Step
 from .tree import supported
@@ -66,7 +68,9 @@ def decode(
     """Yield a :class:`.steps.Step` per backbone pass.
 
     ``heads``: the trained MTP bundle (None: context drafts only). ``config``
-    is resolved here (:meth:`DecodeConfig.resolve`). ``context``: the tokens
+    is resolved here (:meth:`DecodeConfig.resolve`). ``prompt_cache``: the
+    backbone's caches, and the MTP layer's after them if it is to be kept
+    (:func:`.layer_cache.make_prompt_cache`). ``context``: the tokens
     ``prompt_cache`` already holds before ``prompt``, for context drafts to
     copy from (a conversation); they are not fed again. Both are checked
     first (:func:`clp_mlx.model.tokens.prompt_ids`: ids the model has, a
@@ -74,18 +78,23 @@ def decode(
 
     The step after the one being yielded is already queued, so when the
     caller stops, ``prompt_cache`` may hold tokens beyond those it received:
-    its first ``n`` positions hold the first ``n`` tokens of prompt + output,
-    and a caller that keeps the cache trims it to the tokens it keeps.
+    its first ``n`` positions hold the first ``n`` tokens of prompt + output
+    (the layer's, at most ``n``), and a caller that keeps the cache trims it
+    to the tokens it keeps (:func:`.layer_cache.trim_to`).
     """
-    held = min((c.offset for c in prompt_cache), default=0) if prompt_cache else 0
+    held = held_by(prompt_cache)
     ids, context = prompt_ids(prompt, model, held, context)
-    prompt = mx.array(ids, dtype=mx.uint32)
     config = (config or DecodeConfig()).resolve(model, heads)
-    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    cache, layer = split(prompt_cache if prompt_cache is not None else make_prompt_cache(model))
     sampler = Sampler(config.sampling)
     size, width = tree_shape(config, heads, cache) if config.mode == "verify" else (0, 1)
     known = context + ids if config.context_drafts else []
-    drafter = make_drafter(model, heads, config, known, width, held)
+    start, feed = held, ids  # where the layer goes on from, and the tokens to feed
+    mtp = config.mode != "ar" and heads is not None and heads.config.design == "mtp"
+    if mtp and layer is not None:
+        start, feed = resume(layer, cache, ids, context)
+    drafter = make_drafter(model, heads, config, known, width, start, layer)
+    prompt = mx.array(feed, dtype=mx.uint32)
 
     with mx.stream(_stream):
         first = prefill(model, prompt, cache, drafter)

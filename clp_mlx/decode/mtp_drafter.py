@@ -1,6 +1,7 @@
 """The MTP layer as a :class:`.drafters.Drafter`: drafts with its own KV cache.
 
-The layer's cache follows the committed tokens, as the backbone's does: the
+The layer's cache (:class:`.layer_cache.LayerCache`, which a prompt cache can
+carry) follows the committed tokens, as the backbone's does: the
 prompt's positions are added at prefill (:meth:`MTPDrafter.prompt`), and
 after each pass the accepted positions, with the backbone's hidden states
 there and the token committed after each. Then depth 1 at the last of them
@@ -21,13 +22,16 @@ import mlx.core as mx
 from ..model import backbone
 from ..model.layer_states import watch_layers
 from .drafters import PassDrafts
+from .layer_cache import LayerCache
 
 
 class MTPDrafter:
     in_pass = False  # drafts after the pass: it needs the accepted positions first
 
-    def __init__(self, model, bundle, start: int = 0, stop=None):
-        """``stop``: given P(run >= j) for the depths drafted so far (j = 0..d),
+    def __init__(self, model, bundle, start: int = 0, stop=None, cache: LayerCache | None = None):
+        """``start``: the position the next committed entry takes; ``cache``:
+        the layer's cache to extend (None: a new one).
+        ``stop``: given P(run >= j) for the depths drafted so far (j = 0..d),
         whether the deeper drafts cannot matter (:func:`.feed.depth_rule`);
         None: always draft all ``k``."""
         self.model, self.bundle, self.layer = model, bundle, bundle.mtp
@@ -35,7 +39,7 @@ class MTPDrafter:
         side = self.layer.side_layers
         self.side = watch_layers(model, side) if side else None
         self.k, self.stop = bundle.k, stop
-        self.past = None  # (keys, values) of the committed positions
+        self.cache = cache if cache is not None else LayerCache()
         self.offset = start  # the backbone position the next committed entry takes
         # Committed tokens whose positions are not in the cache yet (the
         # first one's identity is never needed: only the tokens after it).
@@ -46,13 +50,14 @@ class MTPDrafter:
         """Prefill: ``hidden`` (n, d) at the next n positions, ``tokens`` (n,)
         the token after each."""
         self._append(self._with_side(hidden), tokens)
-        mx.eval(*self.past)
+        mx.eval(*self.cache.past)
         self.unplaced = [None]  # the last prompt token: the first pass feeds it
 
     def _append(self, hidden: mx.array, tokens: mx.array) -> mx.array:
         emb = backbone.embed(self.model, tokens.astype(mx.uint32))
         x = self.layer.fuse(hidden[None].astype(emb.dtype), emb[None])
-        g, self.past = self.layer.step(x, self.offset, self.past)
+        g, past = self.layer.step(x, self.offset, self.cache.past)
+        self.cache.add(past, tokens.tolist())
         self.offset += hidden.shape[0]
         return g[:, -1:]
 
@@ -80,19 +85,19 @@ class MTPDrafter:
         fed = self._with_side(got.fed)  # unchecked steps make no at(): their pass was the last
         g = self._append(fed[: len(seq) - 1], mx.array(seq[1:]))
         if not draft:
-            mx.eval(*self.past)
+            mx.eval(*self.cache.past)
             self._drafts = []
             return []
         tokens, probs = self._draft(g, committed[-1])
         scores = run_scores(probs)
-        mx.eval(tokens, scores, *self.past)  # one evaluation for the whole drafting
+        mx.eval(tokens, scores, *self.cache.past)  # one evaluation for the whole drafting
         self._drafts = tokens.tolist()
         return scores.tolist()
 
     def _draft(self, g: mx.array, last: int):
         """Greedy drafts after ``last`` through the layer's depths, and the
         probability the layer gave each (over the draft vocabulary)."""
-        past, tokens, probs, prev = self.past, [], [], mx.array([last])
+        past, tokens, probs, prev = self.cache.past, [], [], mx.array([last])
         temps, alive = temperatures(self.bundle), [1.0]
         out = self.layer.readout(self.model.model.norm, g[0])
         for depth in range(self.k):
