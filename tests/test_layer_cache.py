@@ -64,18 +64,23 @@ def test_a_second_call_drafts_as_one_call_over_the_whole_sequence(setup, keep, l
 
 
 def test_without_the_context_the_layer_goes_on_with_a_gap(setup):
-    """No tokens to re-read: the layer keeps its positions and starts at the
-    backbone's, which is left as it is; with them, the backbone re-reads."""
+    """No tokens to re-read: the layer goes on from the backbone's position in
+    a copy of its cache (a gap in its keys), and the kept cache stays as it
+    is; with them, the backbone re-reads the tokens the layer lags by."""
     model, bundle = setup
     cache = make_prompt_cache(model, bundle)
     run(model, bundle, A, cache, None, 6)
     n = held(cache)
     layer, backbone = cache[-1], cache[:-1]
     layer.trim(layer.offset - (n - 3))
-    assert resume(layer, backbone, B, []) == (n, B)
+    start, feed, used = resume(layer, backbone, B, [])
+    assert (start, feed) == (n, B) and used is not layer and used.tokens == layer.tokens
     assert layer.offset == n - 3 and held(backbone) == n
+    run(model, bundle, B, cache, None, 5)  # decodes from the gap; the kept layer stays
+    assert layer.offset == n - 3 and held(backbone) > n
+    trim_to(cache, n)
     context = list(range(n))
-    assert resume(layer, backbone, B, context) == (n - 3, context[n - 3 :] + B)
+    assert resume(layer, backbone, B, context) == (n - 3, context[n - 3 :] + B, layer)
     assert layer.offset == n - 3 and held(backbone) == n - 3
 
 

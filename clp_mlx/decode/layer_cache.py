@@ -39,7 +39,12 @@ class LayerCache:
     def add(self, keys_values: tuple, tokens: list[int]) -> None:
         """The keys and values of all positions now, ``tokens`` after the new ones."""
         self.keys, self.values = keys_values
-        self.tokens += tokens
+        self.tokens = self.tokens + list(tokens)
+
+    def copy(self) -> LayerCache:
+        other = LayerCache()
+        other.add((self.keys, self.values), self.tokens)
+        return other
 
     def is_trimmable(self) -> bool:
         return True
@@ -84,21 +89,25 @@ def trim_to(prompt_cache: list, keep: int) -> None:
 def resume(layer: LayerCache, cache: list, ids: list[int], context: list[int]):
     """Before a call that feeds ``ids`` after the ``context`` the backbone's
     ``cache`` holds: keep the layer's positions that belong to this sequence
-    and return (the position the layer goes on from, the tokens to feed).
+    and return the position the layer goes on from, the tokens to feed, and
+    the cache the layer extends in this call.
 
     Its positions before the backbone's last are the backbone's; the one at
     the backbone's last counts only if it was fused with ``ids[0]``. Where
     the layer lags (a call stopped before it saw the last tokens' states),
     the backbone is trimmed back to it and re-reads the lagging tokens with
     the prompt: a few rows more in the prefill. Without the context's tokens
-    or a trimmable cache, the layer goes on from the backbone's position,
-    with a gap in its keys."""
+    or a trimmable cache, the layer goes on from the backbone's position in
+    a copy, with a gap in its keys; the kept cache stays as it is (its
+    entry ``i`` is always position ``i``)."""
     n = held(cache)
     keep = min(layer.offset, max(n - 1, 0))
     if layer.offset > n - 1 >= 0 and layer.tokens[n - 1] == ids[0]:
         keep = n
     layer.trim(layer.offset - keep)
-    if keep == n or len(context) != n or not can_trim_prompt_cache(cache):
-        return n, ids
-    trim_to(cache, keep)
-    return keep, context[keep:] + ids
+    if keep == n:
+        return n, ids, layer
+    if len(context) == n and can_trim_prompt_cache(cache):
+        trim_to(cache, keep)
+        return keep, context[keep:] + ids, layer
+    return n, ids, layer.copy()

@@ -92,7 +92,7 @@ def decode(
     start, feed = held, ids  # where the layer goes on from, and the tokens to feed
     mtp = config.mode != "ar" and heads is not None and heads.config.design == "mtp"
     if mtp and layer is not None:
-        start, feed = resume(layer, cache, ids, context)
+        start, feed, layer = resume(layer, cache, ids, context)
     drafter = make_drafter(model, heads, config, known, width, start, layer)
     prompt = mx.array(feed, dtype=mx.uint32)
 
