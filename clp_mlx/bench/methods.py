@@ -17,10 +17,9 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
-from mlx_lm.models.cache import make_prompt_cache
 
 from ..decode.config import MODES, DecodeConfig
-from ..decode.layer_cache import LayerCache, trim_to
+from ..decode.layer_cache import LayerCache, make_prompt_cache, split, trim_to
 from ..decode.loop import decode, prefill
 from ..decode.mtp_drafter import MTPDrafter
 from ..decode.steps import DecodeStats, tokens_of
@@ -109,11 +108,10 @@ class Start:
         if draft is not None:
             prompt_ids(ids, draft)
         prompt = mx.array(ids, dtype=mx.uint32)
-        mtp = heads is not None and heads.config.design == "mtp"
-        layer = LayerCache() if mtp else None
         tic = time.perf_counter()
-        cache = make_prompt_cache(model)
-        prefill(model, prompt, cache, MTPDrafter(model, heads, cache=layer) if mtp else None)
+        cache, layer = split(make_prompt_cache(model, heads))
+        drafter = None if layer is None else MTPDrafter(model, heads, cache=layer)
+        prefill(model, prompt, cache, drafter)  # the layer's keys of the prompt too
         seconds = time.perf_counter() - tic
         draft_cache = None
         if draft is not None:
@@ -123,7 +121,7 @@ class Start:
 
     def rewind(self) -> None:
         """Drop what a method added after the prompt."""
-        for c in (self.cache, self.draft_cache, [self.layer] if self.layer else None):
+        for c in (self.cache, self.draft_cache, None if self.layer is None else [self.layer]):
             if c is not None:
                 trim_to(c, len(self.ids) - 1)
 
@@ -131,8 +129,9 @@ class Start:
 def _ours(model, heads, start, method, max_tokens):
     config = replace(method_config(method), max_tokens=max_tokens).resolve(model, heads)
     stats = DecodeStats(config.mode, config.draft_len or 0)
-    held = start.cache + ([start.layer] if start.layer is not None else [])
-    steps = decode(start.ids[-1:], model, heads, config, prompt_cache=held, context=start.ids[:-1])
+    caches = start.cache + ([] if start.layer is None else [start.layer])
+    ids = start.ids
+    steps = decode(ids[-1:], model, heads, config, prompt_cache=caches, context=ids[:-1])
     tokens = (t for t, _ in tokens_of(stats.counting(steps)))
     return tokens, lambda: (stats.steps, list(stats.accepted))
 

@@ -39,7 +39,7 @@ class LayerCache:
     def add(self, keys_values: tuple, tokens: list[int]) -> None:
         """The keys and values of all positions now, ``tokens`` after the new ones."""
         self.keys, self.values = keys_values
-        self.tokens = self.tokens + list(tokens)
+        self.tokens.extend(tokens)
 
     def copy(self) -> LayerCache:
         other = LayerCache()
