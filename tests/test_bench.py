@@ -271,18 +271,31 @@ def test_bench_step_reports_the_pass_widths_and_the_host_work(tmp_path, capsys):
     assert "| detokenize one token |" in out and "| context drafter (extend + propose) |" in out
 
 
-def test_bench_step_refuses_an_mtp_layer_in_one_line(tmp_path):
+def test_bench_step_times_an_mtp_layers_pass_and_its_drafting(tmp_path, capsys):
     from clp_mlx.cli import bench_step
     from clp_mlx.model.heads_files import init_heads, save_heads
+    from clp_mlx.model.mtp_layer import MTPLayer
 
-    model = tiny_model(0)
+    model = tiny_model(0, layers=3)
     folder = write_model_folder(tmp_path / "tiny", model)
+    layer = MTPLayer(model.args, 32, side_layers=(1, 2)).shape()  # reads earlier layers too
     drafter = save_heads(
-        init_heads(model, 3, design="mtp", gate=False, head0=False), tmp_path / "mtp"
+        init_heads(model, 3, design="mtp", gate=False, head0=False, layer=layer), tmp_path / "mtp"
     )
-    argv = ["--model", str(folder), "--heads", str(drafter), "--repeats", "1", "--context", "8"]
-    with pytest.raises(ClpError, match="an MTP layer drafter; bench_step times chain heads only"):
-        bench_step.main(argv)
+    argv = ["--model", str(folder), "--heads", str(drafter), "--repeats", "2", "--context", "8"]
+    assert bench_step.main(argv) == 0
+    out = capsys.readouterr().out
+    for row in (
+        "backbone x1",
+        "backbone x4",
+        "verify pass (4 fed)",
+        "MTP layer after 1 accepted (3 depths)",
+        "MTP layer after 4 accepted (3 depths)",
+        "build a verify step's graph (chain)",
+    ):
+        assert f"| {row} |" in out, row
+    assert "heads' drafts after the pass" not in out  # chain heads' rows only
+    assert "verify, 4 fed and all accepted: pass + the layer" in out
 
 
 def test_several_prompt_files_are_benched_one_after_another(tmp_path):

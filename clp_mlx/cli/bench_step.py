@@ -9,6 +9,11 @@ and each figure is the median of several runs. Then the host's share of a
 step: building a verify step's graph, the heads' drafts asked for after the
 pass (a step with no context match that feeds drafts), the context drafter,
 and detokenizing one token (generate's streaming). A benchmark, not a test.
+
+An MTP layer drafts after the pass, with a cache of its own: for one, the
+verify pass (k+1 fed, with the check) and the layer's work after a pass that
+accepted 1 or k+1 positions (their entry into its cache, then every depth's
+draft; in decoding verify's depth rule often stops sooner) are timed instead.
 """
 
 from __future__ import annotations
@@ -21,15 +26,15 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from ..api import load_with_drafter as load
 from ..decode.config import DecodeConfig
-from ..decode.drafters import HeadsDrafter
+from ..decode.drafters import HeadsDrafter, PassDrafts
 from ..decode.lookup import ContextDrafter
+from ..decode.mtp_drafter import MTPDrafter
 from ..decode.sampling import Sampler, Sampling, greedy
 from ..decode.tree import Tree
 from ..decode.unchecked import unchecked_step
 from ..decode.verify import one_pass
 from ..errors import ClpError
 from ..model import backbone
-from ..model.heads_files import read_config
 from ..native.padrows import ROWS
 from .args import parser, run
 
@@ -54,17 +59,35 @@ def _timed(fn, cache, tokens) -> float:
     return dt
 
 
+def _interleaved(configs: dict, cache, vocab: int, repeats: int) -> dict:
+    """Median milliseconds of each ``name: (fn, n tokens)``, interleaved."""
+    times = {name: [] for name in configs}
+    for r in range(repeats + 2):  # two warm-up rounds
+        for name, (fn, n) in configs.items():
+            dt = _timed(fn, cache, mx.random.randint(0, vocab, (n,)).astype(mx.uint32))
+            if r >= 2:
+                times[name].append(dt)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
 def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
     k = heads.k
     cache = make_prompt_cache(model)
     mx.random.seed(0)
     vocab = model.args.vocab_size
-    backbone.hidden_states(model, mx.random.randint(0, vocab, (context,)), cache)
+    history = mx.random.randint(0, vocab, (context,)).astype(mx.uint32)
+    # An MTP layer watches the earlier layers it reads from its first pass on.
+    drafter = MTPDrafter(model, heads) if heads.config.design == "mtp" else None
+    h = backbone.hidden_states(model, history, cache)
     mx.eval([c.state for c in cache])
 
     def plain(tokens):
         return greedy(backbone.project(model, backbone.hidden_states(model, tokens, cache)))
 
+    widths = {f"backbone x{n}": (plain, n) for n in range(1, k + 2)}
+    if drafter is not None:  # no depth rule: every depth drafts
+        drafter.prompt(h, history)
+        return _measure_mtp(model, drafter, cache, widths, repeats)
     clp = DecodeConfig(mode="clp").resolve(model, heads)
     drafter, sampler = HeadsDrafter(model, heads), Sampler(Sampling())
 
@@ -78,18 +101,41 @@ def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
     def verify_tree(tokens):
         return _verify(model, heads, _tree(tokens.tolist(), k), cache)
 
-    configs = {f"backbone x{n}": (plain, n) for n in range(1, k + 2)}
-    configs[f"backbone x{ROWS}"] = (plain, ROWS)
+    configs = {**widths, f"backbone x{ROWS}": (plain, ROWS)}
     configs["clp step (1 fed)"] = (clp_step, 1)
     configs[f"verify step ({k + 1} fed)"] = (verify, k + 1)
     configs[f"verify step (tree of {ROWS})"] = (verify_tree, ROWS)
-    times = {name: [] for name in configs}
-    for r in range(repeats + 2):  # two warm-up rounds
-        for name, (fn, n) in configs.items():
-            dt = _timed(fn, cache, mx.random.randint(0, vocab, (n,)).astype(mx.uint32))
-            if r >= 2:
-                times[name].append(dt)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    return _interleaved(configs, cache, vocab, repeats)
+
+
+def _measure_mtp(model, drafter, cache, widths: dict, repeats: int) -> dict:
+    """The MTP layer: the verify pass, and the layer's work after a pass."""
+    k = drafter.k
+
+    def verify(tokens):
+        done = one_pass(model, drafter, Tree.chain(tokens.tolist()), cache)
+        return [done.choices, done.accepted, *done.drafts.lazy()]
+
+    def after_pass(tokens):  # the pass outside the clock; the layer's cache trimmed after
+        fed = backbone.hidden_states(model, tokens, cache)
+        mx.eval(fed, *[s[-1] for s in (drafter.side or {}).values()])
+        tic = time.perf_counter()
+        drafter.observe(tokens.tolist(), PassDrafts(None, None, None, fed=fed))
+        drafted.append(time.perf_counter() - tic)
+        drafter.cache.trim(tokens.size)
+        drafter.offset -= tokens.size
+        drafter.unplaced = [None]
+        return fed
+
+    drafted: list[float] = []
+    configs = {**widths, f"verify pass ({k + 1} fed)": (verify, k + 1)}
+    vocab = model.args.vocab_size
+    ms = _interleaved(configs, cache, vocab, repeats)
+    for n in (1, k + 1):
+        drafted.clear()
+        _interleaved({"": (after_pass, n)}, cache, vocab, repeats)
+        ms[f"MTP layer after {n} accepted ({k} depths)"] = statistics.median(drafted[2:]) * 1e3
+    return ms
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -104,26 +150,27 @@ def _median_ms(fn, repeats: int) -> float:
 
 def host_costs(model, heads, tokenizer, *, context: int = 100, repeats: int = 7) -> dict:
     """Milliseconds of the per-step work around the backbone pass."""
-    k = heads.k
+    k, mtp = heads.k, heads.config.design == "mtp"
     cache = make_prompt_cache(model)
     mx.random.seed(1)
     history = mx.random.randint(0, model.args.vocab_size, (context,)).astype(mx.uint32)
     h = backbone.hidden_states(model, history, cache)[-1:]
     mx.eval(h, [c.state for c in cache])
-    fed = _tree(history[:ROWS].tolist(), k)
+    fed = Tree.chain(history[: k + 1].tolist()) if mtp else _tree(history[:ROWS].tolist(), k)
+    drafter = MTPDrafter(model, heads) if mtp else HeadsDrafter(model, heads)
 
     def build():  # the graph only; evaluated (and trimmed) outside the clock
         tic = time.perf_counter()
-        out = _verify(model, heads, fed, cache)
+        done = one_pass(model, drafter, fed, cache)
         built.append(time.perf_counter() - tic)
-        mx.eval(out)
-        trim_prompt_cache(cache, ROWS)
+        mx.eval(done.choices, done.accepted, *done.drafts.lazy())
+        trim_prompt_cache(cache, len(fed))
 
     built = []
     for _ in range(repeats + 1):
         build()
     words = history.tolist()
-    drafter = ContextDrafter(words, heads.config.lookup or 3)
+    context_drafter = ContextDrafter(words, heads.config.lookup or 3)
 
     def detokenize():
         detok = tokenizer.detokenizer
@@ -134,19 +181,19 @@ def host_costs(model, heads, tokenizer, *, context: int = 100, repeats: int = 7)
 
     b = mx.array([words[-1]], dtype=mx.uint32)
     width = (ROWS - 1) // k
-    return {
-        "build a verify step's graph (tree)": statistics.median(built[1:]) * 1e3,
-        "heads' drafts after the pass": _median_ms(
+    out = {f"build a verify step's graph ({'chain' if mtp else 'tree'})": statistics.median(built[1:]) * 1e3}
+    if not mtp:  # the MTP layer's drafting is timed in measure()
+        out["heads' drafts after the pass"] = _median_ms(
             lambda: heads.draft_branches(model, h, b, 1).tolist(), repeats
-        ),
-        f"heads' {width} branches after the pass": _median_ms(
+        )
+        out[f"heads' {width} branches after the pass"] = _median_ms(
             lambda: heads.draft_branches(model, h, b, width).tolist(), repeats
-        ),
-        "context drafter (extend + propose)": _median_ms(
-            lambda: (drafter.extend(words[:1]), drafter.propose(k)), repeats
-        ),
-        "detokenize one token": _median_ms(detokenize, repeats) / 32,
-    }
+        )
+    out["context drafter (extend + propose)"] = _median_ms(
+        lambda: (context_drafter.extend(words[:1]), context_drafter.propose(k)), repeats
+    )
+    out["detokenize one token"] = _median_ms(detokenize, repeats) / 32
+    return out
 
 
 def main(argv=None) -> int:
@@ -160,13 +207,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.context < 1 or args.repeats < 1:
         raise ClpError("--context and --repeats must be at least 1")
-    # An MTP layer drafts after the pass, with a cache of its own: refused
-    # before the backbone loads (its heads.json says so).
-    if args.heads is not None and read_config(args.heads).design == "mtp":
-        raise ClpError(
-            f"{args.heads}: an MTP layer drafter; bench_step times chain heads only "
-            "(time an MTP layer with python -m clp_mlx.bench)"
-        )
     model, tokenizer, heads = load(
         args.model,
         "init" if args.heads is None else args.heads,
@@ -185,12 +225,16 @@ def main(argv=None) -> int:
     print("| --- | ---: | ---: |")
     for name, v in ms.items():
         print(f"| {name} | {v:.1f} | {v / plain:.2f}x |")
-    clp_extra = ms["clp step (1 fed)"] - plain
-    ver_extra = ms[f"verify step ({k + 1} fed)"] - ms[f"backbone x{k + 1}"]
-    print(f"\nclp: drafting + CLP = {clp_extra:.1f} ms ({clp_extra / plain:.1%} of a plain step)")
-    print(
-        f"verify: drafting + verification = {ver_extra:.1f} ms ({ver_extra / plain:.1%} of a plain step)"
-    )
+    if heads.config.design == "mtp":
+        step = ms[f"verify pass ({k + 1} fed)"] + ms[f"MTP layer after {k + 1} accepted ({k} depths)"]
+        print(f"\nverify, {k + 1} fed and all accepted: pass + the layer = {step:.1f} ms "
+              f"({step / plain:.2f}x a plain step)")  # fmt: skip
+    else:
+        clp_extra = ms["clp step (1 fed)"] - plain
+        ver_extra = ms[f"verify step ({k + 1} fed)"] - ms[f"backbone x{k + 1}"]
+        print(f"\nclp: drafting + CLP = {clp_extra:.1f} ms ({clp_extra / plain:.1%} of a plain step)")
+        print(f"verify: drafting + verification = {ver_extra:.1f} ms "
+              f"({ver_extra / plain:.1%} of a plain step)")  # fmt: skip
     print("\n| host work per step | ms | vs plain step |\n| --- | ---: | ---: |")
     for name, v in host_costs(model, heads, tokenizer, context=args.context).items():
         print(f"| {name} | {v:.2f} | {v / plain:.1%} |")
