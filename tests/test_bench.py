@@ -298,6 +298,25 @@ def test_bench_step_times_an_mtp_layers_pass_and_its_drafting(tmp_path, capsys):
     assert "verify, 4 fed and all accepted: pass + the layer" in out
 
 
+def test_bench_step_leaves_both_caches_as_they_were_after_timing_the_layer(tmp_path):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from clp_mlx.cli import bench_step
+    from clp_mlx.decode.mtp_drafter import MTPDrafter
+    from clp_mlx.model.heads_files import init_heads
+    from clp_mlx.model.mtp_layer import MTPLayer
+
+    model = tiny_model(0, layers=3)
+    layer = MTPLayer(model.args, 32, side_layers=(1, 2)).shape()
+    heads = init_heads(model, 3, design="mtp", gate=False, head0=False, layer=layer)
+    cache, drafter = make_prompt_cache(model), MTPDrafter(model, heads)
+    history = mx.arange(8, dtype=mx.uint32)
+    drafter.prompt(model.model(history[None], cache=cache)[0], history)
+    for n in (1, 4):
+        assert bench_step._drafting(model, drafter, cache, n) > 0
+        assert cache[0].offset == 8 and drafter.cache.offset == 8 and drafter.offset == 8
+
+
 def test_several_prompt_files_are_benched_one_after_another(tmp_path):
     folder = write_model_folder(tmp_path / "tiny", tiny_model(0))
     (tmp_path / "a.txt").write_text("ab\ncd\n")

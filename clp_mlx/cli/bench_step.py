@@ -39,10 +39,11 @@ from ..native.padrows import ROWS
 from .args import parser, run
 
 
-def _verify(model, heads, fed: Tree, cache):
-    """A greedy verify step's graph: the pass, the check, the heads' chain and CLP."""
-    done = one_pass(model, HeadsDrafter(model, heads), fed, cache)
-    return [done.choices, done.accepted, done.drafts.scores, done.drafts.branches]
+def _verify(model, drafter, fed: Tree, cache):
+    """A greedy verify step's graph: the pass, the check and the drafter's part
+    (the chain heads' drafts and CLP; an MTP layer's: the fed rows' states)."""
+    done = one_pass(model, drafter, fed, cache)
+    return [done.choices, done.accepted, *done.drafts.lazy()]
 
 
 def _tree(tokens: list, k: int) -> Tree:
@@ -96,10 +97,10 @@ def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
         return [b, d, n, got.scores]
 
     def verify(tokens):
-        return _verify(model, heads, Tree.chain(tokens.tolist()), cache)
+        return _verify(model, drafter, Tree.chain(tokens.tolist()), cache)
 
     def verify_tree(tokens):
-        return _verify(model, heads, _tree(tokens.tolist(), k), cache)
+        return _verify(model, drafter, _tree(tokens.tolist(), k), cache)
 
     configs = {**widths, f"backbone x{ROWS}": (plain, ROWS)}
     configs["clp step (1 fed)"] = (clp_step, 1)
@@ -110,32 +111,34 @@ def measure(model, heads, *, context: int = 100, repeats: int = 7) -> dict:
 
 def _measure_mtp(model, drafter, cache, widths: dict, repeats: int) -> dict:
     """The MTP layer: the verify pass, and the layer's work after a pass."""
-    k = drafter.k
+    k, vocab = drafter.k, model.args.vocab_size
 
     def verify(tokens):
-        done = one_pass(model, drafter, Tree.chain(tokens.tolist()), cache)
-        return [done.choices, done.accepted, *done.drafts.lazy()]
+        return _verify(model, drafter, Tree.chain(tokens.tolist()), cache)
 
-    def after_pass(tokens):  # the pass outside the clock; the layer's cache trimmed after
-        fed = backbone.hidden_states(model, tokens, cache)
-        mx.eval(fed, *[s[-1] for s in (drafter.side or {}).values()])
-        tic = time.perf_counter()
-        drafter.observe(tokens.tolist(), PassDrafts(None, None, None, fed=fed))
-        drafted.append(time.perf_counter() - tic)
-        drafter.cache.trim(tokens.size)
-        drafter.offset -= tokens.size
-        drafter.unplaced = [None]
-        return fed
-
-    drafted: list[float] = []
     configs = {**widths, f"verify pass ({k + 1} fed)": (verify, k + 1)}
-    vocab = model.args.vocab_size
     ms = _interleaved(configs, cache, vocab, repeats)
     for n in (1, k + 1):
-        drafted.clear()
-        _interleaved({"": (after_pass, n)}, cache, vocab, repeats)
-        ms[f"MTP layer after {n} accepted ({k} depths)"] = statistics.median(drafted[2:]) * 1e3
+        times = [_drafting(model, drafter, cache, n) for _ in range(repeats + 2)]
+        ms[f"MTP layer after {n} accepted ({k} depths)"] = statistics.median(times[2:]) * 1e3
     return ms
+
+
+def _drafting(model, drafter, cache, n: int) -> float:
+    """Seconds the layer takes after a pass of ``n`` tokens, all accepted: their
+    entry into its cache, then every depth. The pass is outside the clock; both
+    caches are as before after it."""
+    tokens = mx.random.randint(0, model.args.vocab_size, (n,)).astype(mx.uint32)
+    fed = backbone.hidden_states(model, tokens, cache)
+    mx.eval(fed, *[s[-1] for s in (drafter.side or {}).values()])
+    tic = time.perf_counter()
+    drafter.observe(tokens.tolist(), PassDrafts(None, None, None, fed=fed))
+    seconds = time.perf_counter() - tic
+    trim_prompt_cache(cache, n)
+    drafter.cache.trim(n)
+    drafter.offset -= n
+    drafter.unplaced = [None]
+    return seconds
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -161,9 +164,9 @@ def host_costs(model, heads, tokenizer, *, context: int = 100, repeats: int = 7)
 
     def build():  # the graph only; evaluated (and trimmed) outside the clock
         tic = time.perf_counter()
-        done = one_pass(model, drafter, fed, cache)
+        out = _verify(model, drafter, fed, cache)
         built.append(time.perf_counter() - tic)
-        mx.eval(done.choices, done.accepted, *done.drafts.lazy())
+        mx.eval(out)
         trim_prompt_cache(cache, len(fed))
 
     built = []
@@ -181,7 +184,8 @@ def host_costs(model, heads, tokenizer, *, context: int = 100, repeats: int = 7)
 
     b = mx.array([words[-1]], dtype=mx.uint32)
     width = (ROWS - 1) // k
-    out = {f"build a verify step's graph ({'chain' if mtp else 'tree'})": statistics.median(built[1:]) * 1e3}
+    graph = "chain" if mtp else "tree"
+    out = {f"build a verify step's graph ({graph})": statistics.median(built[1:]) * 1e3}
     if not mtp:  # the MTP layer's drafting is timed in measure()
         out["heads' drafts after the pass"] = _median_ms(
             lambda: heads.draft_branches(model, h, b, 1).tolist(), repeats
@@ -226,13 +230,15 @@ def main(argv=None) -> int:
     for name, v in ms.items():
         print(f"| {name} | {v:.1f} | {v / plain:.2f}x |")
     if heads.config.design == "mtp":
-        step = ms[f"verify pass ({k + 1} fed)"] + ms[f"MTP layer after {k + 1} accepted ({k} depths)"]
+        step = ms[f"verify pass ({k + 1} fed)"]
+        step += ms[f"MTP layer after {k + 1} accepted ({k} depths)"]
         print(f"\nverify, {k + 1} fed and all accepted: pass + the layer = {step:.1f} ms "
               f"({step / plain:.2f}x a plain step)")  # fmt: skip
     else:
         clp_extra = ms["clp step (1 fed)"] - plain
         ver_extra = ms[f"verify step ({k + 1} fed)"] - ms[f"backbone x{k + 1}"]
-        print(f"\nclp: drafting + CLP = {clp_extra:.1f} ms ({clp_extra / plain:.1%} of a plain step)")
+        print(f"\nclp: drafting + CLP = {clp_extra:.1f} ms "
+              f"({clp_extra / plain:.1%} of a plain step)")  # fmt: skip
         print(f"verify: drafting + verification = {ver_extra:.1f} ms "
               f"({ver_extra / plain:.1%} of a plain step)")  # fmt: skip
     print("\n| host work per step | ms | vs plain step |\n| --- | ---: | ---: |")
