@@ -59,14 +59,14 @@ def test_products_match_float64(m, n, k):
 @pytest.mark.parametrize("transposed", [True, False])
 def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(transposed):
     mx.random.seed(7)
-    x = mx.random.normal((7, 520))
+    x = mx.random.normal((16, 520))  # up to 16 rows: tiles of 1-8 rows, split evenly
     w = mx.random.normal((600, 520)) if transposed else mx.random.normal((520, 600))
 
     def mul(rows):
         return rows @ w.T if transposed else rows @ w
 
     whole = np.asarray(mul(x))
-    for lo, hi in [(0, 1), (3, 4), (1, 3), (2, 7), (6, 7)]:
+    for lo, hi in [(0, 1), (3, 4), (1, 3), (2, 7), (6, 7), (0, 5), (0, 6), (1, 8), (0, 8), (3, 16), (0, 9)]:
         assert np.array_equal(np.asarray(mul(x[lo:hi])), whole[lo:hi]), (lo, hi)
 
 
@@ -182,11 +182,11 @@ def test_the_status_tells_whether_mlx_reaches_the_kernel():
     [
         ("sse2", []),
         ("avx2 fma", ["-mavx2", "-mfma"]),
-        ("avx2 fma avx512f avx512vl", ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl"]),
+        ("avx2 fma avx512f avx512vl", ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-DTILE_ROWS=8"]),
         ("avx2 avx512f avx512vl", []),  # no FMA: none of it
     ],
 )
 def test_the_build_asks_for_what_the_cpu_has(flags, wanted):
-    """AVX-512VL's registers (the 4-row tile) only on a CPU with AVX2, FMA and AVX-512VL."""
+    """AVX-512VL's registers (the 8-row tile) only on a CPU with AVX2, FMA and AVX-512VL."""
     got = _few_rows._flags(f"model name\t: some cpu\nflags\t\t: fpu {flags} ht")
     assert got == _few_rows.FLAGS + wanted

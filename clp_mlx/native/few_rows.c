@@ -4,7 +4,7 @@
  * OpenBLAS 0.3.21 runs those through its blocked GEMM (packing the weight on
  * every call) at 5-8 GB/s of weight read on a machine that streams memory at
  * 20-27 GB/s. Here every output is a dot product of an activation row with a
- * weight row, in tiles of one to four rows against four weight rows, the
+ * weight row, in tiles of one to eight rows against four weight rows, the
  * weight rows split between threads: one pass over the weight, near memory
  * speed.
  *
@@ -53,10 +53,10 @@ typedef float v8 __attribute__((vector_size(32)));
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
 #ifndef TILE_ROWS
-#define TILE_ROWS 4 /* rows of A a tile takes: 1-4 */
+#define TILE_ROWS 4 /* rows of A a tile takes at most: 1-8 (8 where AVX-512VL, few_rows.py) */
 #endif
-#if TILE_ROWS < 1 || TILE_ROWS > 4
-#error "TILE_ROWS must be 1-4: the tiles hold at most four rows"
+#if TILE_ROWS < 1 || TILE_ROWS > 8
+#error "TILE_ROWS must be 1-8: the tiles hold at most eight rows"
 #endif
 enum { MAX_ROWS = 16, PARALLEL_FROM = 1 << 18, FALLBACK_SPLIT_FROM = 1 << 22 };
 
@@ -99,20 +99,23 @@ static void finish(const v8 *c, const float **a, int rows, const float **w, int 
         }
 }
 
-/* A tile of R activation rows (1-4) against four weight rows, s as in finish.
+/* A tile of R activation rows (1-8) against four weight rows, s as in finish.
  * R is a constant at each call, so the loops unroll and c stays in registers:
- * 4 x 4 needs 16 accumulators + 4 rows + 1 weight vector, hence AVX-512VL's 32
- * registers where the CPU has them (see few_rows.py). */
+ * 6 x 4 needs 24 accumulators + 4 weight vectors + 1 row, hence AVX-512VL's
+ * 32 registers where the CPU has them (see few_rows.py). 7 and 8 rows need
+ * more than 32: some spill to L1, which still costs less than a second tile
+ * over the block (measured: 8 rows 1.07-1.33x of 4 rows in one tile, 1.29-1.53x
+ * in two). */
 static inline __attribute__((always_inline)) void tile(const float **a, const float **w, int K,
                                                        float *s, const int R) {
-    v8 c[4][4] = {{0}};
+    v8 c[8][4] = {{0}};
     int k = 0;
     for (; k + 8 <= K; k += 8) {
-        v8 x[4];
-        for (int i = 0; i < R; i++) x[i] = load(a[i] + k);
-        for (int j = 0; j < 4; j++) {
-            v8 y = load(w[j] + k);
-            for (int i = 0; i < R; i++) c[i][j] += x[i] * y;
+        v8 y[4];
+        for (int j = 0; j < 4; j++) y[j] = load(w[j] + k);
+        for (int i = 0; i < R; i++) {
+            v8 x = load(a[i] + k);
+            for (int j = 0; j < 4; j++) c[i][j] += x * y[j];
         }
     }
     finish(&c[0][0], a, R, w, 4, k, K, s);
@@ -122,15 +125,21 @@ static void tile_1(const float **a, const float **w, int K, float *s) { tile(a, 
 static void tile_2(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 2); }
 static void tile_3(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 3); }
 static void tile_4(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 4); }
+static void tile_5(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 5); }
+static void tile_6(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 6); }
+static void tile_7(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 7); }
+static void tile_8(const float **a, const float **w, int K, float *s) { tile(a, w, K, s, 8); }
 
 typedef void (*tile_fn)(const float **, const float **, int, float *);
-static const tile_fn tiles[5] = {NULL, tile_1, tile_2, tile_3, tile_4};
+static const tile_fn tiles[9] = {NULL,   tile_1, tile_2, tile_3, tile_4,
+                                 tile_5, tile_6, tile_7, tile_8};
 
 /* C = alpha A B^T + beta C, B stored N x K (a weight; attention keys): blocks of
- * four weight rows (the last one repeated at the end), rows of A by fours, the
- * rest in one tile; a block's weight rows stay in L1 for the tiles after the
- * first. (Four rows against two weight rows, tried, cost 20% more at four rows:
- * the weight stream stalled behind the arithmetic.) */
+ * four weight rows (the last one repeated at the end), the rows of A split as
+ * evenly as the fewest tiles allow (9 in tiles of 8: 5 + 4); a block's rows stay in
+ * L1 or L2 for the tiles after the first. (Four rows against two weight rows,
+ * tried, cost 20% more at four rows, and eight against two 60% more than four
+ * against four: the weight stream stalled behind the arithmetic.) */
 static void a_bt(int M, int N, int K, float alpha, const float *A, int lda, const float *B,
                  int ldb, float beta, float *C, int ldc) {
     int blocks = (N + 3) / 4;
@@ -140,10 +149,11 @@ static void a_bt(int M, int N, int K, float alpha, const float *A, int lda, cons
         const float *w[4];
         for (int j = 0; j < 4; j++) w[j] = B + (size_t)(n + (j < nr ? j : nr - 1)) * ldb;
         for (int m = 0, rows; m < M; m += rows) {
-            rows = M - m >= TILE_ROWS ? TILE_ROWS : M - m;
-            const float *a[4];
+            int left = (M - m + TILE_ROWS - 1) / TILE_ROWS; /* tiles still to go */
+            rows = (M - m + left - 1) / left;
+            const float *a[8];
             for (int i = 0; i < rows; i++) a[i] = A + (size_t)(m + i) * lda;
-            float s[4][4];
+            float s[8][4];
             tiles[rows](a, w, K, &s[0][0]);
             for (int i = 0; i < rows; i++)
                 for (int j = 0; j < nr; j++)

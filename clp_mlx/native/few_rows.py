@@ -61,11 +61,12 @@ def cpu_flags() -> set[str]:
 
 def _flags(cpu: str) -> list[str]:
     """AVX2 + FMA where the CPU has them (x86-64), and AVX-512VL's 32 vector
-    registers for the 4-row tile; elsewhere the target's own SIMD."""
+    registers for tiles of up to eight rows (four elsewhere); elsewhere the
+    target's own SIMD."""
     words = set(cpu.split())
     if not {"avx2", "fma"} <= words:
         return FLAGS
-    wide = ["-mavx512f", "-mavx512vl"] if {"avx512f", "avx512vl"} <= words else []
+    wide = ["-mavx512f", "-mavx512vl", "-DTILE_ROWS=8"] if {"avx512f", "avx512vl"} <= words else []
     return FLAGS + ["-mavx2", "-mfma", *wide]
 
 
