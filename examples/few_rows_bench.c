@@ -1,10 +1,13 @@
 /* Time the few-row kernel alone on one weight, fastest of 9 calls per row count.
  *
- *   cc -O3 -fopenmp -mavx2 -mfma -mavx512f -mavx512vl -o few_rows_bench examples/few_rows_bench.c
+ *   cc -O3 -fopenmp -mavx2 -mfma -mavx512f -mavx512vl -DTILE_ROWS=8 \
+ *       -o few_rows_bench examples/few_rows_bench.c
  *   ./few_rows_bench 151936 1536        # N x K: the 1.5B's output projection
  *
- * -DTILE_ROWS=2 (and without the AVX-512 flags) builds the kernel as it was,
- * rows in pairs: docs/RESULTS.md, "Where one step's time goes". */
+ * -DTILE_ROWS=8 is what the package builds where the CPU has AVX-512VL;
+ * -DTILE_ROWS=4 tiles of at most four rows (CPUs without AVX-512VL), and
+ * -DTILE_ROWS=2 (without the AVX-512 flags) rows in pairs, as at first:
+ * docs/RESULTS.md, "Where one step's time goes". */
 #include "../clp_mlx/native/few_rows.c"
 #include <time.h>
 
@@ -33,8 +36,8 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < (size_t)N * K; i++) B[i] = (float)(i % 97) * 0.01f;
     for (size_t i = 0; i < (size_t)MAX_ROWS * K; i++) A[i] = (float)(i % 13) * 0.1f;
     threads = omp_get_max_threads();
-    const int rows[] = {1, 2, 3, 4, 6, 8, 16};
-    for (int r = 0; r < 7; r++) {
+    const int rows[] = {1, 2, 3, 4, 5, 6, 7, 8, 16};
+    for (int r = 0; r < 9; r++) {
         double best = 1e9;
         for (int it = 0; it < 9; it++) {
             double t0 = now();
