@@ -34,7 +34,7 @@ def _ref(a, b):
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16])  # every tile size
 @pytest.mark.parametrize("n,k", [(1, 1), (3, 7), (7, 9), (301, 64), (600, 520)])
 def test_products_match_float64(m, n, k):
     mx.random.seed(m * 1000 + n + k)
