@@ -5,21 +5,23 @@ from __future__ import annotations
 from .copies_first import CopiesFirst
 from .drafters import CopyDrafter, CopyThenHeads, Drafter, HeadsDrafter
 from .feed import depth_rule
-from .mtp_drafter import MTPDrafter
+from .mtp_drafter import RUNNERS_UP, MTPDrafter
 
 
 def make_drafter(
-    model, heads, config, tokens: list[int], width: int = 1, start: int = 0, layer=None
+    model, heads, config, tokens, width=1, start=0, layer=None, alternatives=False
 ) -> Drafter | None:
     """The drafter a resolved ``config`` asks for; ``tokens``: the context so
     far; ``start``: the position the prompt starts at (a kept cache's length);
-    ``layer``: the MTP layer's kept cache (:mod:`.layer_cache`), if any."""
+    ``layer``: the MTP layer's kept cache (:mod:`.layer_cache`), if any;
+    ``alternatives``: whether the step will ask for runners-up."""
     if config.mode == "ar":
         return None
     if heads is None:
         return CopyDrafter(config.draft_len, tokens)
     if heads.config.design == "mtp":
-        layer = MTPDrafter(model, heads, start, depth_rule(model, config, heads.k), layer)
+        runners = RUNNERS_UP if alternatives else 0
+        layer = MTPDrafter(model, heads, start, depth_rule(model, config, heads.k), layer, runners)
         if not config.context_drafts:
             return layer
         return CopiesFirst(layer, tokens, heads.config.lookup, config.draft_len)

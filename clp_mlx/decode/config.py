@@ -47,7 +47,9 @@ class DecodeConfig:
     context_drafts: bool | None = None
     # Greedy verify: a step feeding 2+ drafts feeds a token tree of up to
     # this many tokens; 0 feeds a chain. None: the padded width where wide
-    # passes are padded anyway (the extra rows cost nothing), else 0.
+    # passes are padded anyway (the extra rows cost nothing); elsewhere a
+    # chain, with the drafter's runners-up as leaves where the pass costs say
+    # they pay (feed "cost"; the MTP layer's: feed.best_tree).
     tree: int | None = None
     # clp / prior-mtp: accept the longest run n with P(run >= n) >= this;
     # None is the paper's rule, CLP's most likely run.
@@ -102,8 +104,8 @@ class DecodeConfig:
         if mode == "ar":
             return replace(self, mode=mode, context_drafts=False, tree=0)
         tree = self.tree
-        if tree is None:
-            tree = padrows.ROWS if padrows.is_padded(model) else 0
+        if tree is None and padrows.is_padded(model):
+            tree = padrows.ROWS
         if not (self.greedy and mode == "verify"):
             tree = 0
         if heads is None:

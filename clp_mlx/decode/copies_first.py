@@ -47,6 +47,9 @@ class CopiesFirst:
     def can_branch(self) -> bool:
         return self.copies.matched or self.inner.can_branch()
 
+    def alternatives(self) -> list:
+        return [] if self.copies.matched else self.inner.alternatives()
+
     # A step asks for at most the copies' k (its draft_len); the inner drafter may have fewer.
     def candidates(self, depth: int, count: int) -> list[list[int]]:
         if self.copies.matched:

@@ -23,7 +23,7 @@ drafter implements these methods; :mod:`.choose` picks one for a config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import mlx.core as mx
@@ -39,6 +39,13 @@ class PassDrafts:
     scores: mx.array | None  # (k+1,) CLP's scores for accepting 0..k drafts (None: no CLP)
     branches: mx.array | None  # (width, k) drafts made inside the pass, or None
     fed: mx.array | None = None  # (n, d) hidden states at every fed token (own-cache drafters)
+
+    def along(self, path: list[int]) -> "PassDrafts":
+        """Only the fed rows of ``path`` (node indices, root first): after a
+        tree, a drafter with its own cache sees the accepted path's states."""
+        if self.fed is None or path == list(range(len(path))):
+            return self
+        return replace(self, fed=self.fed[mx.array(path)])
 
     def lazy(self) -> list[mx.array]:
         return [x for x in (self.h, self.scores, self.branches, self.fed) if x is not None]
@@ -71,6 +78,13 @@ class Drafter(Protocol):
 
     def candidates(self, depth: int, count: int) -> list[list[int]]:
         """Up to ``count`` draft sequences of up to ``depth`` tokens, best first."""
+
+    def alternatives(self) -> list[list[tuple[int, float]]]:
+        """After :meth:`observe`, per draft depth j = 1, 2, ...: other tokens
+        than the j-th draft that could follow the drafts before it, each with
+        its chance of being the backbone's token there (given those drafts
+        are); [] for none. Greedy verify feeds those that pay as leaves of a
+        tree (:func:`.feed.best_tree`)."""
 
     def draft(self, h: mx.array, b: mx.array, sampler=None):
         """Drafts (rows, k) drawn inside the pass, and their logits (rows, k, V)
@@ -113,6 +127,9 @@ class HeadsDrafter:
 
     def can_branch(self) -> bool:
         return self.width > 1
+
+    def alternatives(self) -> list:
+        return []  # its runners-up go in fixed-size trees (width)
 
     def candidates(self, depth: int, count: int) -> list[list[int]]:
         branches = self._got.branches
@@ -171,6 +188,9 @@ class CopyThenHeads:
     def can_branch(self) -> bool:
         return bool(self._copied) or self.heads.can_branch()
 
+    def alternatives(self) -> list:
+        return []
+
     def candidates(self, depth: int, count: int) -> list[list[int]]:
         if self._copied is None:
             return self.heads.candidates(depth, count)
@@ -227,6 +247,9 @@ class CopyDrafter:
 
     def can_branch(self) -> bool:
         return self.matched
+
+    def alternatives(self) -> list:
+        return []
 
     def candidates(self, depth: int, count: int) -> list[list[int]]:
         found = [self._copied[:depth]] if count == 1 else self.copies.candidates(depth, count)

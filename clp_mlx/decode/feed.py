@@ -105,6 +105,40 @@ def best_feed(probs: list[float], costs: list[float], m_max: int) -> int:
     return best
 
 
+def best_tree(probs: list[float], alternatives, costs: list[float], m_max: int):
+    """As :func:`best_feed`, with the drafter's alternatives as leaves: the
+    draft count m and the leaves ``(depth, token)`` with the most expected
+    tokens per pass time.
+
+    A fed node commits a token when it is on the accepted path: draft j with
+    chance P(L >= j); an alternative at depth j (a sibling of draft j) when
+    drafts 1..j-1 are accepted and it is the backbone's token, P(L >= j - 1)
+    times its own chance. So the best n nodes to feed are the n likeliest
+    (EAGLE-2 reranks its draft tree the same way), and as no node is likelier
+    than its parent, they form a tree. ``alternatives``: per depth, (token,
+    chance) pairs (:meth:`.drafters.Drafter.alternatives`).
+    """
+    alive = [0.0] * (len(probs) + 1)  # P(L >= j), summed from the end: never rising
+    for j in reversed(range(len(probs))):
+        alive[j] = alive[j + 1] + probs[j]
+    top = min(m_max, len(probs) - 1)
+    nodes = [(alive[j], 0, j, None) for j in range(1, top + 1)]
+    nodes += [
+        (alive[j - 1] * min(p, 1.0), 1, j, t)
+        for j, pairs in enumerate(alternatives[:top], 1)
+        for t, p in pairs
+    ]
+    nodes.sort(key=lambda node: (-node[0], node[1], node[2]))  # parents first on ties
+    best, best_rate, expected = 0, 1.0 / costs[0], 1.0
+    for n, node in enumerate(nodes[: len(costs) - 1], 1):
+        expected += node[0]
+        if expected / costs[n] > best_rate:
+            best, best_rate = n, expected / costs[n]
+    chosen = nodes[:best]
+    m = sum(1 for node in chosen if not node[1])
+    return m, [(j, t) for _, leaf, j, t in chosen if leaf]
+
+
 def deeper_cannot_pay(alive: list[float], costs: list[float]) -> bool:
     """Whether no feed of more than ``d`` drafts can beat the best of 0..d,
     with ``alive[j]`` = P(L >= j) known for j = 0..d (``alive[0]`` = 1) and

@@ -48,10 +48,13 @@ def prefill(model, prompt: mx.array, cache, drafter=None) -> mx.array:
 
 
 def tree_shape(config: DecodeConfig, heads, cache) -> tuple[int, int]:
-    """(tree size, head 1's branches in it) for greedy verify; (0, 1): chains.
-    Trees need a cache whose rows can be moved."""
-    size = config.tree if config.tree and supported(cache) else 0
-    if not size or heads is None:
+    """(tree size, head 1's branches in it) for greedy verify; (0, 1): chains;
+    (None, 1): chains and the drafter's alternatives where they pay. Trees
+    need a cache whose rows can be moved."""
+    if config.tree == 0 or not supported(cache):
+        return 0, 1
+    size = config.tree
+    if size is None or heads is None:
         return size, 1
     return size, max(1, min(heads.config.tree_branches, (size - 1) // config.draft_len))
 
@@ -93,7 +96,8 @@ def decode(
     mtp = config.mode != "ar" and heads is not None and heads.config.design == "mtp"
     if mtp and layer is not None:
         start, feed, layer = resume(layer, cache, ids, context)
-    drafter = make_drafter(model, heads, config, known, width, start, layer)
+    leaves = size is None and config.feed == "cost"  # the feed rule sizes them
+    drafter = make_drafter(model, heads, config, known, width, start, layer, leaves)
     prompt = mx.array(feed, dtype=mx.uint32)
 
     with mx.stream(_stream):

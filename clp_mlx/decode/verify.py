@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from ..model.backbone import project
 from .drafters import PassDrafts
-from .feed import best_feed, pass_costs
+from .feed import best_feed, best_tree, pass_costs
 from .sampling import check_argmax
 from .steps import Step
 from .tree import Tree, keep_path, tree_hidden_states
@@ -83,9 +83,17 @@ def commit(done: Pass, cache) -> tuple[list[int], list[int]]:
 
 
 def propose(drafter, committed, got: PassDrafts, depth: int, config, costs, tree_size) -> Tree:
-    """The tokens the next pass feeds: t+1 (the last committed) and drafts."""
+    """The tokens the next pass feeds: t+1 (the last committed) and drafts;
+    ``tree_size`` None: the drafter's alternatives join where they pay."""
     b = committed[-1]
-    m = feed_count(drafter.observe(committed, got), depth, config.feed, costs)
+    scores = drafter.observe(committed, got)
+    alternatives = drafter.alternatives() if tree_size is None and costs else []
+    if alternatives:
+        m, leaves = best_tree(_softmax(scores), alternatives, costs, depth)
+        chain = drafter.candidates(m, 1)[0] if m else []
+        paths = [chain] + [chain[: j - 1] + [t] for j, t in leaves]
+        return Tree.build(b, paths, 1 + len(chain) + len(leaves))
+    m = feed_count(scores, depth, config.feed, costs)
     if tree_size and m >= 2 and drafter.can_branch():
         return Tree.build(b, drafter.candidates(depth, tree_size), tree_size)
     return Tree.chain([b] + (drafter.candidates(m, 1)[0] if m else []))
@@ -101,8 +109,9 @@ def feed_count(scores: list[float], depth: int, feed: str, costs) -> int:
     return depth
 
 
-def verify(model, drafter, first, cache, config, tree_size: int) -> Iterator[Step]:
-    """Greedy verify, one pass per step; ``tree_size`` 0 feeds chains."""
+def verify(model, drafter, first, cache, config, tree_size: int | None) -> Iterator[Step]:
+    """Greedy verify, one pass per step; ``tree_size`` 0 feeds chains, None
+    chains with the drafter's alternatives where they pay (:func:`propose`)."""
     costs = pass_costs(model, config.draft_len + 1) if config.feed == "cost" else None
     produced, budget = 0, config.max_tokens
     pending = one_pass(model, drafter, Tree.chain([first.item()]), cache)
@@ -114,7 +123,8 @@ def verify(model, drafter, first, cache, config, tree_size: int) -> Iterator[Ste
         if produced < budget:
             # Never draft past max_tokens: the extra positions would be wasted.
             depth = min(config.draft_len, budget - produced - 1)
-            fed = propose(drafter, committed, done.drafts, depth, config, costs, tree_size)
+            got = done.drafts.along(path)
+            fed = propose(drafter, committed, got, depth, config, costs, tree_size)
             pending = one_pass(model, drafter, fed, cache).queue()
         drafted = tuple(i < len(path) - 1 for i in range(len(committed)))
         rows = done.logits[mx.array(path[: len(committed)])]
