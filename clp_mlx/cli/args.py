@@ -187,8 +187,9 @@ def add_decode_args(p: argparse.ArgumentParser, *, max_tokens: int, seed: int | 
         type=int,
         default=None,
         help="verify: a step that feeds 2+ drafts feeds a token tree of up to this many "
-        "tokens, alternatives included (default: 16 where wide passes are padded, on "
-        "OpenBLAS; else 0, a chain)",
+        "tokens, alternatives included; 0: a chain (default: 16 where wide passes are "
+        "padded; else a chain, with the drafter's runners-up as leaves where the pass "
+        "costs say they pay)",
     )
     add_sampling_args(p, seed)
 

@@ -6,7 +6,9 @@ costs: the other rows are free. A tree fills them with alternatives (as
 Medusa's and EAGLE's tree attention do): the other continuations the context
 offers, and the heads' runners-up for t+2, each continued by the later heads.
 Shared prefixes are merged, so the tree is a trie rooted at the token t the
-step must feed anyway.
+step must feed anyway. Where rows are not padded (the few-row kernel), a pass
+costs by its width, and the feed rule picks the nodes that pay
+(:func:`.feed.best_tree`): the MTP layer's chain and runners-up as leaves.
 
 Every node sees the KV cache and its own ancestors only (an attention mask)
 and sits at position ``offset + depth`` (RoPE), so the backbone's prediction
