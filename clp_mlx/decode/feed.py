@@ -94,15 +94,10 @@ def best_feed(probs: list[float], costs: list[float], m_max: int) -> int:
     """The draft count in 0..m_max with the most expected tokens per pass time.
 
     ``probs``: CLP's P(L = l), l = 0..k; ``costs[m]``: time of a pass over
-    m + 1 tokens (any unit).
+    m + 1 tokens (any unit). Feeding m drafts commits 1 + sum_{j<=m} P(L >= j)
+    tokens on average: :func:`best_tree` with no alternatives.
     """
-    best, best_rate, expected = 0, 1.0 / costs[0], 1.0
-    for m in range(1, min(m_max, len(costs) - 1, len(probs) - 1) + 1):
-        expected += sum(probs[m:])  # P(L >= m): draft m is accepted
-        rate = expected / costs[m]
-        if rate > best_rate:
-            best, best_rate = m, rate
-    return best
+    return best_tree(probs, [], costs, m_max)[0]
 
 
 def best_tree(probs: list[float], alternatives, costs: list[float], m_max: int):

@@ -99,18 +99,18 @@ class MTPDrafter:
             mx.eval(*self.cache.past)
             self._drafts, self._others = [], []
             return []
-        tokens, probs = self._draft(g, committed[-1])
+        tokens, probs, self._others = self._draft(g, committed[-1])
         scores = run_scores(probs)
         mx.eval(tokens, scores, self._others, *self.cache.past)  # one evaluation for all
         self._drafts = tokens.tolist()
         return scores.tolist()
 
     def _draft(self, g: mx.array, last: int):
-        """Greedy drafts after ``last`` through the layer's depths, and the
-        probability the layer gave each (over the draft vocabulary)."""
+        """Greedy drafts after ``last`` through the layer's depths, the
+        probability the layer gave each (over the draft vocabulary), and per
+        depth its ``runners_up`` next-best tokens with their chances."""
         past, tokens, probs, prev = self.cache.past, [], [], mx.array([last])
-        temps, alive = temperatures(self.bundle), [1.0]
-        self._others = []
+        temps, alive, others = temperatures(self.bundle), [1.0], []
         out = self.layer.readout(self.model.model.norm, g[0])
         for depth in range(self.k):
             if depth:  # the next depth reads what the projection read
@@ -122,7 +122,7 @@ class MTPDrafter:
             best = mx.argmax(scores, axis=-1)
             probs.append(draft_chance(scores[0], temps[depth]))
             if self.runners_up:
-                self._others.append(runners_up(scores[0], ids, temps[depth], self.runners_up))
+                others.append(runners_up(scores[0], ids, temps[depth], self.runners_up))
             prev = best if ids is None else ids[best]
             tokens.append(prev[0])
             if self.stop is not None and depth + 1 < self.k:
@@ -131,7 +131,7 @@ class MTPDrafter:
                     break
         # Depths not drafted: chance 0, so no run reaches them.
         probs += [mx.zeros_like(probs[0])] * (self.k - len(probs))
-        return mx.stack(tokens), mx.stack(probs)
+        return mx.stack(tokens), mx.stack(probs), others
 
     def can_branch(self) -> bool:
         return False  # no fixed-size trees: runners-up go in by their chances (alternatives)
