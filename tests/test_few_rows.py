@@ -186,12 +186,46 @@ def test_the_status_tells_whether_mlx_reaches_the_kernel():
         ("avx2 fma", ["-mavx2", "-mfma"]),
         (
             "avx2 fma avx512f avx512vl",
-            ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-DTILE_ROWS=8"],
+            ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-DTILE_ROWS=8", "-DLANES=16"],
         ),
         ("avx2 avx512f avx512vl", []),  # no FMA: none of it
     ],
 )
 def test_the_build_asks_for_what_the_cpu_has(flags, wanted):
-    """AVX-512VL's registers (the 8-row tile) only on a CPU with AVX2, FMA and AVX-512VL."""
+    """AVX-512VL's registers (the 8-row tile) and vectors of 16 floats only on
+    a CPU with AVX2, FMA and AVX-512VL."""
     got = _few_rows._flags(f"model name\t: some cpu\nflags\t\t: fpu {flags} ht")
     assert got == _few_rows.FLAGS + wanted
+
+
+@needs_library
+@pytest.mark.parametrize("cpu", ["sse2", "avx2 fma", "avx2 fma avx512f avx512vl"])
+def test_every_build_a_cpu_can_get_computes_the_same_products(cpu, tmp_path):
+    """The kernel as built for a plainer CPU (vectors of 8 floats, tiles of 4
+    rows) or an AVX-512 one (16 floats, 8 rows) is right, leftovers of K
+    included, and a row's bits do not depend on how many rows share the call."""
+    if not set(cpu.split()) <= _few_rows.cpu_flags() | {"sse2"}:
+        pytest.skip(f"this CPU cannot run a build for {cpu!r}")
+    lib_path = tmp_path / "few_rows.so"
+    cc = os.environ.get("CC") or "cc"
+    flags = _few_rows._flags(f"flags\t\t: {cpu}")
+    subprocess.run([cc, *flags, "-o", str(lib_path), str(_few_rows.SOURCE)], check=True)
+    lib = ctypes.CDLL(str(lib_path))  # its own cblas_sgemm, beside the loaded one
+    lib.few_rows_init(ctypes.cast(_few_rows.library().cblas_sgemm, ctypes.c_void_p))
+    ptr = ctypes.POINTER(ctypes.c_float)
+    sgemm = lib.cblas_sgemm
+    sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ptr, ctypes.c_int, ptr, ctypes.c_int]
+    sgemm.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
+    rng = np.random.default_rng(len(cpu))
+    n, k = 37, 1003  # K: 62 vectors of 16 and 11 left over, or 125 of 8 and 3
+    a = rng.standard_normal((9, k), dtype=np.float32)
+    b = rng.standard_normal((n, k), dtype=np.float32)
+    as_ptr = lambda x: x.ctypes.data_as(ptr)  # noqa: E731
+    rows = {}
+    for m in range(1, 10):
+        c = np.zeros((m, n), dtype=np.float32)
+        sgemm(101, 111, 112, m, n, k, 1.0, as_ptr(a), k, as_ptr(b), k, 0.0, as_ptr(c), n)
+        np.testing.assert_allclose(c, _ref(a[:m], b.T), rtol=1e-4, atol=1e-3, err_msg=str(m))
+        rows[m] = c
+    for m in range(1, 10):
+        assert np.array_equal(rows[m], rows[9][:m]), m

@@ -61,12 +61,13 @@ def cpu_flags() -> set[str]:
 
 def _flags(cpu: str) -> list[str]:
     """AVX2 + FMA where the CPU has them (x86-64), and AVX-512VL's 32 vector
-    registers for tiles of up to eight rows (four elsewhere); elsewhere the
-    target's own SIMD."""
+    registers of 16 floats for tiles of up to eight rows (four rows, vectors
+    of eight floats elsewhere); elsewhere the target's own SIMD."""
     words = set(cpu.split())
     if not {"avx2", "fma"} <= words:
         return FLAGS
-    wide = ["-mavx512f", "-mavx512vl", "-DTILE_ROWS=8"] if {"avx512f", "avx512vl"} <= words else []
+    avx512 = {"avx512f", "avx512vl"} <= words
+    wide = ["-mavx512f", "-mavx512vl", "-DTILE_ROWS=8", "-DLANES=16"] if avx512 else []
     return FLAGS + ["-mavx2", "-mfma", *wide]
 
 
