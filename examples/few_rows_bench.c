@@ -1,12 +1,12 @@
 /* Time the few-row kernel alone on one weight, fastest of 9 calls per row count.
  *
- *   cc -O3 -fopenmp -mavx2 -mfma -mavx512f -mavx512vl -DTILE_ROWS=8 \
+ *   cc -O3 -fopenmp -mavx2 -mfma -mavx512f -mavx512vl -DTILE_ROWS=8 -DLANES=16 \
  *       -o few_rows_bench examples/few_rows_bench.c
  *   ./few_rows_bench 151936 1536        # N x K: the 1.5B's output projection
  *
- * -DTILE_ROWS=8 is what the package builds where the CPU has AVX-512VL;
- * -DTILE_ROWS=4 tiles of at most four rows (CPUs without AVX-512VL), and
- * -DTILE_ROWS=2 (without the AVX-512 flags) rows in pairs, as at first:
+ * -DTILE_ROWS=8 -DLANES=16 is what the package builds where the CPU has
+ * AVX-512VL; -DTILE_ROWS=4 (no LANES: vectors of 8 floats) where it has only
+ * AVX2, and -DTILE_ROWS=2 (without the AVX-512 flags) rows in pairs, as at first:
  * docs/RESULTS.md, "Where one step's time goes". */
 #include "../clp_mlx/native/few_rows.c"
 #include <time.h>
