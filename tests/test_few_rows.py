@@ -117,9 +117,10 @@ def test_without_a_compiler_or_when_off_plain_openblas_does_the_work(tmp_path):
     assert not (tmp_path / "few_rows").exists() or not any((tmp_path / "few_rows").iterdir())
 
 
-def _sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, order=101):
-    """The kernel's cblas_sgemm called directly (row-major unless ``order``) on float32 numpy buffers."""
-    f = _few_rows.library().cblas_sgemm
+def _sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, order=101, lib=None):
+    """The kernel's cblas_sgemm (``lib``'s, or the loaded one's) called directly
+    (row-major unless ``order``) on float32 numpy buffers."""
+    f = (lib or _few_rows.library()).cblas_sgemm
     ptr = ctypes.POINTER(ctypes.c_float)
     f.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ptr, ctypes.c_int, ptr, ctypes.c_int]
     f.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
@@ -200,31 +201,23 @@ def test_the_build_asks_for_what_the_cpu_has(flags, wanted):
 
 @needs_library
 @pytest.mark.parametrize("cpu", ["sse2", "avx2 fma", "avx2 fma avx512f avx512vl"])
-def test_every_build_a_cpu_can_get_computes_the_same_products(cpu, tmp_path):
+def test_every_build_a_cpu_can_get_computes_the_same_products(cpu, tmp_path, monkeypatch):
     """The kernel as built for a plainer CPU (vectors of 8 floats, tiles of 4
     rows) or an AVX-512 one (16 floats, 8 rows) is right, leftovers of K
     included, and a row's bits do not depend on how many rows share the call."""
     if not set(cpu.split()) <= _few_rows.cpu_flags() | {"sse2"}:
         pytest.skip(f"this CPU cannot run a build for {cpu!r}")
-    lib_path = tmp_path / "few_rows.so"
-    cc = os.environ.get("CC") or "cc"
-    flags = _few_rows._flags(f"flags\t\t: {cpu}")
-    subprocess.run([cc, *flags, "-o", str(lib_path), str(_few_rows.SOURCE)], check=True)
-    lib = ctypes.CDLL(str(lib_path))  # its own cblas_sgemm, beside the loaded one
+    monkeypatch.setattr(_few_rows, "cpu_info", lambda: f"flags\t\t: {cpu}")  # built as for it
+    lib = ctypes.CDLL(str(_few_rows.build(tmp_path)))  # its own cblas_sgemm, beside the loaded one
     lib.few_rows_init(ctypes.cast(_few_rows.library().cblas_sgemm, ctypes.c_void_p))
-    ptr = ctypes.POINTER(ctypes.c_float)
-    sgemm = lib.cblas_sgemm
-    sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ptr, ctypes.c_int, ptr, ctypes.c_int]
-    sgemm.argtypes += [ctypes.c_float, ptr, ctypes.c_int]
     rng = np.random.default_rng(len(cpu))
     n, k = 37, 1003  # K: 62 vectors of 16 and 11 left over, or 125 of 8 and 3
     a = rng.standard_normal((9, k), dtype=np.float32)
     b = rng.standard_normal((n, k), dtype=np.float32)
-    as_ptr = lambda x: x.ctypes.data_as(ptr)  # noqa: E731
     rows = {}
     for m in range(1, 10):
         c = np.zeros((m, n), dtype=np.float32)
-        sgemm(101, 111, 112, m, n, k, 1.0, as_ptr(a), k, as_ptr(b), k, 0.0, as_ptr(c), n)
+        _sgemm(111, 112, m, n, k, 1.0, a, k, b, k, 0.0, c, n, lib=lib)
         np.testing.assert_allclose(c, _ref(a[:m], b.T), rtol=1e-4, atol=1e-3, err_msg=str(m))
         rows[m] = c
     for m in range(1, 10):
