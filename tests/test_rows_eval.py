@@ -15,6 +15,7 @@ from mtp_helpers import distilled
 from clp_mlx.api import load_with_drafter
 from clp_mlx.cli.train import main as train
 from clp_mlx.errors import ClpError
+from clp_mlx.model.backbone import output_rows
 from clp_mlx.model.heads_files import init_heads, save_heads
 from clp_mlx.train import rows_eval
 from clp_mlx.train.mtp_data import Rows
@@ -142,6 +143,46 @@ def test_second_depth_right_only_after_the_first(monkeypatch):
     assert half_wrong["wrong_commit_share"] == pytest.approx(1 - accepted["t+2"])
 
 
+def test_t2_by_the_backbones_chance_and_misses_the_row_held_before(monkeypatch):
+    """Drafts right at every other anchor; the backbone sure (0.95) where they
+    are right, unsure (0.2) where not: each bin holds only one kind."""
+
+    def half(model, bundle, hidden, tokens):
+        drafts, _ = oracle(model, bundle, hidden, tokens)
+        drafts[:, ::2, 0] = 99
+        return drafts, sure_of(1, drafts.shape[:2])
+
+    def chance(model, hidden, tokens):  # anchors start at the prompt's last position (3)
+        return np.where(np.arange(3, 3 + len(tokens)) % 2 == 0, 0.2, 0.95)
+
+    monkeypatch.setattr(rows_eval, "chain_drafts", half)
+    monkeypatch.setattr(rows_eval, "backbone_chance", chance)
+    rows = Known([[10, 11, 12, 13] * 5])  # the second period on: every token seen before
+    report = rows_eval.evaluate_rows(None, Stub, rows, by_confidence=True)
+    bins = report["t+2_by_backbone_chance"]
+    assert bins["0.9-1.0"]["t+2"] == 1.0 and bins["0.0-0.3"]["t+2"] == 0.0
+    assert bins["0.3-0.5"] == {"share": 0.0, "t+2": None}
+    assert bins["0.9-1.0"]["share"] == pytest.approx(10 / 19, abs=1e-4)  # anchors 3, 5, .., 21
+    assert report["backbone_chance_mean"] == pytest.approx((10 * 0.95 + 9 * 0.2) / 19, abs=1e-4)
+    # the misses at anchors 4, 6, .., 20 want the row's tokens 6, 8, .., 22: 12, 10, 12, ..;
+    # only the first (12, after 1 2 3 4 10 11) is new to the row
+    assert report["t+2_misses_in_row"] == pytest.approx(8 / 9, abs=1e-4)
+
+
+def test_the_backbones_chance_is_its_softmax_at_the_token(root):
+    model, _, _ = load_with_drafter(root / "tiny", "none")
+    rows = Rows.of([root / "data"], heldout=True)
+    hidden, tokens, _, _ = rows.gather(np.arange(1), 2)
+    h = hidden[0, :5] * 0.02  # a state the tiny model is unsure at, so every chance counts
+    logits = h.astype(np.float64) @ np.array(output_rows(model), dtype=np.float64).T
+    want = np.exp(logits - logits.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    ids = want.argmax(-1)  # its own tokens
+    ids[::2] = np.argsort(want[::2], axis=-1)[:, -2]  # and a runner-up
+    got = rows_eval.backbone_chance(model, h, ids)
+    np.testing.assert_allclose(got, want[np.arange(5), ids], rtol=1e-4, atol=1e-7)
+
+
 def test_train_eval_scores_heads_on_held_out_rows(root, capsys):
     argv = ["--eval", "--model", str(root / "tiny"), "--heads", str(root / "chain")]
     assert train([*argv, "--data", str(root / "data")]) == 0
@@ -150,6 +191,15 @@ def test_train_eval_scores_heads_on_held_out_rows(root, capsys):
     assert report["positions"] > 0 and report["walked_with_copies"] >= 1
     with pytest.raises(ClpError, match="not both"):
         train([*argv, "--data", str(root / "data"), str(root / "wiki.txt")])
+    assert train([*argv, "--by-confidence", "--data", str(root / "data")]) == 0
+    report = json.loads(capsys.readouterr().out)["data"]
+    bins = report["t+2_by_backbone_chance"].values()
+    assert sum(b["share"] for b in bins) == pytest.approx(1.0, abs=1e-3)
+    assert 0 < report["backbone_chance_mean"] <= 1
+    with pytest.raises(ClpError, match="needs self-distilled"):
+        train([*argv, "--by-confidence", "--data", str(root / "wiki.txt")])
+    with pytest.raises(ClpError, match="goes with --eval"):
+        train(["--by-confidence", "--data", str(root / "data"), "--out", str(root / "x")])
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="heads folder to write (training)")
     p.add_argument("--heads", help="heads folder to evaluate (--eval)")
     p.add_argument("--eval", action="store_true", help="evaluate --heads on --data")
+    p.add_argument("--by-confidence", action="store_true", help="--eval on self-distilled folders: "
+                   "also t+2 by the backbone's own chance of its token (one more output projection)")
     p.add_argument("--work-dir", help="features and checkpoints (default: <out>.work)")
     p.add_argument("--k", type=int, default=TrainConfig.k)
     p.add_argument("--design", choices=DESIGNS, default=TrainConfig.design)
@@ -127,6 +129,8 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
     source = FeatureSource(
         args.source, args.prompt_tokens, args.new_tokens, args.seq_len, args.max_tokens
     )
+    if args.by_confidence and not args.eval:
+        raise ClpError("--by-confidence goes with --eval")
     if args.eval:
         return _evaluate(args, source)
     if not args.out:
@@ -168,6 +172,8 @@ def _evaluate(args, source: FeatureSource) -> int:
         return _evaluate_rows(args, model, bundle)
     if any(distilled):
         raise ClpError("--eval: give text files or self-distilled data folders, not both")
+    if args.by_confidence:
+        raise ClpError("--by-confidence needs self-distilled data folders (distill)")
     work = Path(args.work_dir or f"{args.heads}.eval-work")
     data = features_for(model, tokenizer, args.data, work, bundle.k, source, seed=args.seed)
     print(json.dumps(evaluate(model, bundle, data, args.seed), indent=1))
@@ -178,7 +184,8 @@ def _evaluate_rows(args, model, bundle) -> int:
     """Self-distilled data folders: the drafter on their held-out rows."""
     from ..train.rows_eval import score_folders
 
-    print(json.dumps(score_folders(model, bundle, args.data, args.lookup), indent=1))
+    report = score_folders(model, bundle, args.data, args.lookup, args.by_confidence)
+    print(json.dumps(report, indent=1))
     return 0
 
 

@@ -75,15 +75,20 @@ def side_layers(bundle, rows: Rows) -> tuple:
     return side
 
 
-def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 8) -> dict:
+def evaluate_rows(
+    model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 8, by_confidence: bool = False
+) -> dict:
     """The report on ``rows``: per depth, how often the draft is right alone
     and with the ones before it, and chain verify's tokens per pass walking
     every row as decoding does, and its first ``EARLY`` tokens alone (with
     ``lookup``: also with context copies
     where the context has a match, as verify drafts: ``CopyThenHeads``,
     ``CopiesFirst``); and clp mode's tokens a pass and share of passes that
-    commit a wrong draft, at CLP's most likely run and at thresholds."""
+    commit a wrong draft, at CLP's most likely run and at thresholds.
+    ``by_confidence``: also t+2 by the backbone's own chance of its token
+    there, and how many misses the row had shown before (:func:`_by_confidence`)."""
     k, side = bundle.k, side_layers(bundle, rows)
+    seen = {"chance": [], "right": [], "in_row": []}
     hits = positions = 0
     runs_in, decided = [], {t: [] for t in THRESHOLDS}
     walks = {"drafter": [], "with_copies": []}
@@ -106,6 +111,13 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
             for t, n in counts.items():
                 decided[t].append(n[r, inner])
             walks["drafter"].append(runs[r, span])
+            if by_confidence:
+                scored = inside[r, span, 0]
+                wanted = target[r, span, 0]
+                chance = backbone_chance(model, hidden[r, starts[r] : ends[r]], wanted)
+                seen["chance"].append(chance[scored])
+                seen["right"].append(right[r, span, 0][scored])
+                seen["in_row"].append(_in_row(tokens[r], starts[r] + 1, wanted)[scored])
         if lookup:
             walks["with_copies"] += _with_copies(
                 drafts, copied, match, target, inside, starts, ends
@@ -129,7 +141,52 @@ def evaluate_rows(model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 
             early = [r[:EARLY] for r in runs]
             out[f"{key}_first_{EARLY}"] = round(walked_tokens_per_pass(early), 3)
     out["clp_mode"] = {_name(t): _unchecked(np.concatenate(n), run) for t, n in decided.items()}
+    if by_confidence:
+        out.update(_by_confidence(*(np.concatenate(v) for v in seen.values())))
     return out
+
+
+# Bins of the backbone's chance of its own greedy token (docs/EXPERIMENTS.md,
+# "Where the 1.5B's drafts miss").
+CONFIDENCE_BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+def backbone_chance(model, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The backbone's probability of ``tokens[i]`` from its state ``hidden[i]``
+    (the last layer's, before any earlier layers' states kept beside it)."""
+    h = mx.array(hidden[:, : model.args.hidden_size])
+    logits = backbone.project(model, h).astype(mx.float32)
+    chosen = mx.take_along_axis(logits, mx.array(np.maximum(tokens, 0))[:, None], axis=-1)[:, 0]
+    return np.array(mx.exp(chosen - mx.logsumexp(logits, axis=-1)))
+
+
+def _in_row(tokens: np.ndarray, start: int, wanted: np.ndarray) -> np.ndarray:
+    """Per anchor, whether its t+2 token ``wanted[i]`` occurs in the row
+    before it (the row's tokens up to ``start + i``)."""
+    before = set(tokens[:start].tolist())
+    out = np.zeros(len(wanted), dtype=bool)
+    for i, t in enumerate(wanted.tolist()):
+        out[i] = t in before
+        before.add(int(tokens[start + i]))
+    return out
+
+
+def _by_confidence(chance, right, in_row) -> dict:
+    """t+2 agreement per bin of the backbone's chance of its token (and each
+    bin's share of positions); the share of misses whose token the row held
+    before, which a copy from the context could draft."""
+    bins = {}
+    for lo, hi in zip(CONFIDENCE_BINS, CONFIDENCE_BINS[1:]):
+        inside = (chance >= lo) & ((chance < hi) | (hi == CONFIDENCE_BINS[-1]))
+        share = float(inside.mean()) if chance.size else 0.0
+        bins[f"{lo}-{hi}"] = {"share": round(share, 4),
+                              "t+2": round(float(right[inside].mean()), 4) if inside.any() else None}  # fmt: skip
+    missed = ~right
+    return {
+        "t+2_by_backbone_chance": bins,
+        "backbone_chance_mean": round(float(chance.mean()), 4) if chance.size else None,
+        "t+2_misses_in_row": round(float(in_row[missed].mean()), 4) if missed.any() else None,
+    }
 
 
 # The first tokens after a prompt are the hardest to draft (docs/EXPERIMENTS.md, "The
@@ -172,9 +229,11 @@ def _with_copies(drafts, copied, match, target, inside, starts, ends) -> list[np
     return out
 
 
-def score_folders(model, bundle, dirs: list, lookup: int = 0) -> dict:
+def score_folders(model, bundle, dirs: list, lookup: int = 0, by_confidence=False) -> dict:
     """:func:`evaluate_rows` on each distilled folder's held-out rows, by folder name."""
     return {
-        Path(d).name: evaluate_rows(model, bundle, Rows.for_model([d], model.args, True), lookup)
+        Path(d).name: evaluate_rows(
+            model, bundle, Rows.for_model([d], model.args, True), lookup, by_confidence=by_confidence
+        )
         for d in dirs
     }
