@@ -161,7 +161,9 @@ def test_t2_by_the_backbones_chance_and_misses_the_row_held_before(monkeypatch):
     report = rows_eval.evaluate_rows(None, Stub, rows, by_confidence=True)
     bins = report["t+2_by_backbone_chance"]
     assert bins["0.9-1.0"]["t+2"] == 1.0 and bins["0.0-0.3"]["t+2"] == 0.0
-    assert bins["0.3-0.5"] == {"share": 0.0, "t+2": None}
+    assert bins["0.3-0.5"] == {"share": 0.0, "t+2": None, "misses_in_row": None}
+    assert bins["0.9-1.0"]["misses_in_row"] is None  # no misses there
+    assert bins["0.0-0.3"]["misses_in_row"] == report["t+2_misses_in_row"]  # all of them
     assert bins["0.9-1.0"]["share"] == pytest.approx(10 / 19, abs=1e-4)  # anchors 3, 5, .., 21
     assert report["backbone_chance_mean"] == pytest.approx((10 * 0.95 + 9 * 0.2) / 19, abs=1e-4)
     # the misses at anchors 4, 6, .., 20 want the row's tokens 6, 8, .., 22: 12, 10, 12, ..;

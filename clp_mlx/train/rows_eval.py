@@ -175,17 +175,16 @@ def _by_confidence(chance, right, in_row) -> dict:
     """t+2 agreement per bin of the backbone's chance of its token (and each
     bin's share of positions); the share of misses whose token the row held
     before, which a copy from the context could draft."""
+    mean = lambda a: round(float(a.mean()), 4) if a.size else None
     bins = {}
     for lo, hi in zip(CONFIDENCE_BINS, CONFIDENCE_BINS[1:]):
         inside = (chance >= lo) & ((chance < hi) | (hi == CONFIDENCE_BINS[-1]))
-        share = float(inside.mean()) if chance.size else 0.0
-        bins[f"{lo}-{hi}"] = {"share": round(share, 4),
-                              "t+2": round(float(right[inside].mean()), 4) if inside.any() else None}  # fmt: skip
-    missed = ~right
+        bins[f"{lo}-{hi}"] = {"share": mean(inside) or 0.0, "t+2": mean(right[inside]),
+                              "misses_in_row": mean(in_row[inside & ~right])}  # fmt: skip
     return {
         "t+2_by_backbone_chance": bins,
-        "backbone_chance_mean": round(float(chance.mean()), 4) if chance.size else None,
-        "t+2_misses_in_row": round(float(in_row[missed].mean()), 4) if missed.any() else None,
+        "backbone_chance_mean": mean(chance),
+        "t+2_misses_in_row": mean(in_row[~right]),
     }
 
 
