@@ -85,6 +85,7 @@ def train_cmd(batch: Batch, s: Inputs) -> None:
     case("draft-vocab-negative", "--draft-vocab", "-1")
     case("lr-nan", "--lr", "nan", expect=(0, 1))
     case("k-zero", "--k", "0")
+    case("by-confidence-without-eval", "--by-confidence")
     c = batch.new("train/eval-heads-truncated", "3")
     h = link(s.heads, c.inp / "heads")
     truncate(h / "heads.safetensors", 100)
@@ -165,6 +166,8 @@ def train_mtp_cmd(batch: Batch, s: Inputs) -> None:
     case("eval-no-held-out-rows", module=TRAIN, data=no_shard)
     text_and_folder = lambda c: [link(s.distilled, c.inp / "d"), link(s.text, c.inp / "t.txt")]
     case("eval-text-and-folder", module=TRAIN, data=text_and_folder)
+    text = lambda c: [link(s.text, c.inp / "t.txt")]
+    case("eval-by-confidence-on-text", "--by-confidence", module=TRAIN, data=text)
 
 
 def decode_flags(batch: Batch, s: Inputs) -> None:

@@ -88,7 +88,7 @@ def evaluate_rows(
     ``by_confidence``: also t+2 by the backbone's own chance of its token
     there, and how many misses the row had shown before (:func:`_by_confidence`)."""
     k, side = bundle.k, side_layers(bundle, rows)
-    seen = {"chance": [], "right": [], "in_row": []}
+    binned = {"chance": [], "right": [], "in_row": []}
     hits = positions = 0
     runs_in, decided = [], {t: [] for t in THRESHOLDS}
     walks = {"drafter": [], "with_copies": []}
@@ -115,9 +115,9 @@ def evaluate_rows(
                 scored = inside[r, span, 0]
                 wanted = target[r, span, 0]
                 chance = backbone_chance(model, hidden[r, starts[r] : ends[r]], wanted)
-                seen["chance"].append(chance[scored])
-                seen["right"].append(right[r, span, 0][scored])
-                seen["in_row"].append(_in_row(tokens[r], starts[r] + 1, wanted)[scored])
+                binned["chance"].append(chance[scored])
+                binned["right"].append(right[r, span, 0][scored])
+                binned["in_row"].append(_in_row(tokens[r], starts[r] + 1, wanted)[scored])
         if lookup:
             walks["with_copies"] += _with_copies(
                 drafts, copied, match, target, inside, starts, ends
@@ -142,7 +142,7 @@ def evaluate_rows(
             out[f"{key}_first_{EARLY}"] = round(walked_tokens_per_pass(early), 3)
     out["clp_mode"] = {_name(t): _unchecked(np.concatenate(n), run) for t, n in decided.items()}
     if by_confidence:
-        out.update(_by_confidence(*(np.concatenate(v) for v in seen.values())))
+        out.update(_by_confidence(*(np.concatenate(v) for v in binned.values())))
     return out
 
 
