@@ -165,15 +165,15 @@ def main(argv=None, *, stop_after: int | None = None) -> int:
 def _evaluate(args, source: FeatureSource) -> int:
     if not args.heads:
         raise ClpError("--eval needs --heads FOLDER")
+    distilled = [(Path(d) / "manifest.json").is_file() for d in args.data]
+    if any(distilled) and not all(distilled):  # refused before the model is read
+        raise ClpError("--eval: give text files or self-distilled data folders, not both")
+    if args.by_confidence and not all(distilled):
+        raise ClpError("--by-confidence needs self-distilled data folders (distill)")
     model, tokenizer, _ = load(args.model, None)
     bundle = load_heads(args.heads, model)
-    distilled = [(Path(d) / "manifest.json").is_file() for d in args.data]
     if all(distilled):
         return _evaluate_rows(args, model, bundle)
-    if any(distilled):
-        raise ClpError("--eval: give text files or self-distilled data folders, not both")
-    if args.by_confidence:
-        raise ClpError("--by-confidence needs self-distilled data folders (distill)")
     work = Path(args.work_dir or f"{args.heads}.eval-work")
     data = features_for(model, tokenizer, args.data, work, bundle.k, source, seed=args.seed)
     print(json.dumps(evaluate(model, bundle, data, args.seed), indent=1))
