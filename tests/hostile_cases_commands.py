@@ -39,6 +39,8 @@ TRAIN_MTP_FLAGS = [
     ("soft-2", "--soft 2"), ("soft-nan", "--soft nan"), ("lookup-negative", "--lookup -1"),
     ("lookup-99", "--lookup 99"), ("depths-0", "--depths 0"), ("lr-0", "--lr 0"),
     ("decay-0", "--decay 0"), ("steps-0", "--steps 0"), ("draft-vocab-0", "--draft-vocab 0"),
+    ("pointer-negative", "--pointer -1"), ("pointer-lr-alone", "--pointer-lr 1e-3"),
+    ("pointer-only-alone", "--pointer 8 --pointer-only"),
 ]
 GENERATE_FLAGS = [  # (name, flags, allowed exit codes)
     ("max-tokens-0", "-m 0", 1), ("max-tokens-negative", "-m -1", 1),

@@ -48,6 +48,11 @@ HELP = {
     "which starts at zero (0: --lr)",
     "prompt_targets": "also train at the rows' prompt positions, each on the backbone's "
     "greedy token there (EAGLE trains on fixed text so): more targets from the same data",
+    "pointer": "rank of a copy head beside the layer, drafting tokens the context has shown "
+    "(docs/DRAFTERS.md; 0: none)",
+    "pointer_lr": "with --pointer: the copy head's peak learning rate (0: --lr)",
+    "pointer_only": "with --pointer and --init-from: train the copy head alone, the layer "
+    "kept as it is",
 }
 FLAGS = tuple(HELP)
 
@@ -93,6 +98,10 @@ def main(argv=None) -> int:
         raise ClpError("--soft must be in [0, 1]")
     if not 0 <= cfg.side_lr < 1 or (cfg.side_lr and not cfg.side):
         raise ClpError("--side-lr must be in [0, 1), and given only with --side")
+    if cfg.pointer < 0 or not 0 <= cfg.pointer_lr < 1 or (cfg.pointer_lr and not cfg.pointer):
+        raise ClpError("--pointer must be >= 0, --pointer-lr in [0, 1) and only with --pointer")
+    if cfg.pointer_only and not (cfg.pointer and cfg.init_from):
+        raise ClpError("--pointer-only trains a copy head beside --init-from's layer: give both")
     if cfg.keep_vocab and not cfg.init_from:
         raise ClpError("--keep-vocab keeps the vocabulary of --init-from's drafter: give one")
     if not 0 <= args.lookup <= MAX_LOOKUP:
@@ -219,7 +228,8 @@ def _trainer(args, cfg: MTPTrainConfig):
     if cfg.side and not rows.side_layers:
         raise ClpError("--side: --data keeps no earlier layers' states, or not the same in "
                        "every folder (distill --side-layers)")  # fmt: skip
-    layer = MTPLayer(model.args, cfg.mlp_size, side_layers=rows.side_layers if cfg.side else ())
+    side = rows.side_layers if cfg.side else ()
+    layer = MTPLayer(model.args, cfg.mlp_size, side_layers=side, pointer=cfg.pointer)
     kept = None
     if cfg.init_from:
         kept = _start_from(layer, model, Path(cfg.init_from))
@@ -261,9 +271,13 @@ def _start_from(layer, model, folder: Path):
     if bundle.mtp.side_layers and bundle.mtp.side_layers != layer.side_layers:
         raise ClpError(f"--init-from {folder}: its layer reads the states after layers "
                        f"{list(bundle.mtp.side_layers)}: give --side and data keeping those")  # fmt: skip
-    if {**bundle.mtp.shape(), "side_layers": 0} != {**layer.shape(), "side_layers": 0}:
+    loose = {"side_layers": 0, "pointer": 0}  # a copy head may be added to a layer without
+    if {**bundle.mtp.shape(), **loose} != {**layer.shape(), **loose}:
         width = bundle.mtp.block.args.intermediate_size
         raise ClpError(f"--init-from {folder}: its layer has another shape (--mlp-size {width}?)")
+    rank = bundle.mtp.shape().get("pointer", 0)
+    if rank and rank != layer.shape().get("pointer", 0):
+        raise ClpError(f"--init-from {folder}: its layer has a copy head: give --pointer {rank}")
     layer.update(tree_map(lambda a: a.astype(mx.float32), bundle.mtp.parameters()))
     return bundle.draft_vocab.tolist() if "draft_vocab" in bundle else None
 

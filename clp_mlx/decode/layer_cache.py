@@ -16,16 +16,18 @@ kept and, where the layer lags, has the backbone re-read those few tokens.
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache
 from mlx_lm.models.cache import make_prompt_cache as backbone_cache
 
 
 class LayerCache:
     """Keys and values (1, heads, n, dims) of the layer's committed positions,
-    and the token each was fused with. Trims as mlx-lm's caches do."""
+    and the token each was fused with; a copy head's keys (n, r) of them
+    too, if the layer has one. Trims as mlx-lm's caches do."""
 
     def __init__(self):
-        self.keys = self.values = None
+        self.keys = self.values = self.copy_keys = None
         self.tokens: list[int] = []  # tokens[i]: the token after position i
 
     @property
@@ -36,14 +38,18 @@ class LayerCache:
     def past(self) -> tuple | None:
         return (self.keys, self.values) if self.tokens else None
 
-    def add(self, keys_values: tuple, tokens: list[int]) -> None:
-        """The keys and values of all positions now, ``tokens`` after the new ones."""
+    def add(self, keys_values: tuple, tokens: list[int], copy_keys=None) -> None:
+        """The keys and values of all positions now, ``tokens`` after the new
+        ones, and the copy head's keys of the new ones."""
         self.keys, self.values = keys_values
         self.tokens.extend(tokens)
+        if copy_keys is not None:
+            old = self.copy_keys
+            self.copy_keys = copy_keys if old is None else mx.concatenate([old, copy_keys])
 
     def copy(self) -> LayerCache:
         other = LayerCache()
-        other.add((self.keys, self.values), self.tokens)
+        other.add((self.keys, self.values), self.tokens, self.copy_keys)
         return other
 
     def is_trimmable(self) -> bool:
@@ -55,6 +61,8 @@ class LayerCache:
         self.tokens = self.tokens[:keep]
         if self.keys is not None:
             self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
+        if self.copy_keys is not None:
+            self.copy_keys = self.copy_keys[:keep]
         return n
 
 

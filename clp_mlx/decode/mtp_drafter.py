@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from ..model import backbone
 from ..model.layer_states import watch_layers
+from ..model.pointer import vocab_index
 from .drafters import PassDrafts
 from .layer_cache import LayerCache
 
@@ -56,6 +57,10 @@ class MTPDrafter:
         self.runners_up = runners_up
         self._drafts: list[int] = []
         self._others: list = []  # per depth drafted: (ids, chances) of the runners-up
+        self.index = None  # with a copy head: token id -> draft-vocabulary index
+        if "pointer" in self.layer:
+            vocab = bundle.draft_vocab if "draft_vocab" in bundle else None
+            self.index = vocab_index(vocab, model.args.vocab_size)
 
     def prompt(self, hidden: mx.array, tokens: mx.array) -> None:
         """Prefill: ``hidden`` (n, d) at the next n positions, ``tokens`` (n,)
@@ -68,7 +73,8 @@ class MTPDrafter:
         emb = backbone.embed(self.model, tokens.astype(mx.uint32))
         x = self.layer.fuse(hidden[None].astype(emb.dtype), emb[None])
         g, past = self.layer.step(x, self.offset, self.cache.past)
-        self.cache.add(past, tokens.tolist())
+        copy_keys = self.layer.pointer.keys(x[0]) if self.index is not None else None
+        self.cache.add(past, tokens.tolist(), copy_keys)
         self.offset += hidden.shape[0]
         return g[:, -1:]
 
@@ -112,6 +118,7 @@ class MTPDrafter:
         past, tokens, probs, prev = self.cache.past, [], [], mx.array([last])
         temps, alive, others = temperatures(self.bundle), [1.0], []
         out = self.layer.readout(self.model.model.norm, g[0])
+        copy = self._copy_head()
         for depth in range(self.k):
             if depth:  # the next depth reads what the projection read
                 emb = backbone.embed(self.model, prev.astype(mx.uint32))
@@ -119,6 +126,7 @@ class MTPDrafter:
                 g, past = self.layer.step(x, self.offset + depth - 1, past)
                 out = self.layer.readout(self.model.model.norm, g[0])
             scores, ids = self.bundle._draft_scores(self.model, out)
+            scores = scores if copy is None else copy(scores, g[0])
             best = mx.argmax(scores, axis=-1)
             probs.append(draft_chance(scores[0], temps[depth]))
             if self.runners_up:
@@ -132,6 +140,18 @@ class MTPDrafter:
         # Depths not drafted: chance 0, so no run reaches them.
         probs += [mx.zeros_like(probs[0])] * (self.k - len(probs))
         return mx.stack(tokens), mx.stack(probs), others
+
+    def _copy_head(self):
+        """None, or the copy head's mixture for this pass's depths: each copies
+        ``x_{m+2}`` of the committed positions ``m`` before the anchor (the
+        cache's last position), as training drafts (model/pointer.py)."""
+        n = self.cache.offset - 1  # positions with a token two on
+        if self.index is None or n < 1 or self.cache.copy_keys is None:
+            return None
+        keys = self.cache.copy_keys[:n]
+        copies = self.index[mx.array(self.cache.tokens[1 : n + 1])]
+        valid = mx.ones((1, n), dtype=mx.bool_)
+        return lambda scores, g: self.layer.pointer.mix(scores, g, keys, valid, copies)
 
     def can_branch(self) -> bool:
         return False  # no fixed-size trees: runners-up go in by their chances (alternatives)

@@ -97,6 +97,8 @@ def _layer(value, what: str) -> dict:
         raise ClpError(f"{what}.side_layers must be a list of distinct layer counts")
     if side:
         out["side_layers"] = [whole(n, f"{what}.side_layers", 1) for n in side]
+    if "pointer" in value:  # a copy head's rank (model/pointer.py)
+        out["pointer"] = whole(value["pointer"], f"{what}.pointer", 1, most=4096)
     if out["num_attention_heads"] % out["num_key_value_heads"]:
         raise ClpError(f"{what}: num_attention_heads must be a multiple of num_key_value_heads")
     return out

@@ -29,6 +29,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models import qwen2
 
+from .pointer import Pointer
+
 SHAPE = {  # the block's config fields a drafter file records, and their types
     "num_attention_heads": int, "num_key_value_heads": int, "intermediate_size": int,
     "rms_norm_eps": float, "rope_theta": float, "max_position_embeddings": int,
@@ -49,7 +51,7 @@ def block_args(args, mlp_size: int = 0):
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, args, mlp_size: int = 0, style: str = "mtp", side_layers=()):
+    def __init__(self, args, mlp_size=0, style="mtp", side_layers=(), pointer: int = 0):
         super().__init__()
         d, eps = args.hidden_size, args.rms_norm_eps
         self.style, self.side_layers = style, tuple(side_layers)
@@ -62,6 +64,8 @@ class MTPLayer(nn.Module):
             self.side_fc.weight = mx.zeros_like(self.side_fc.weight)  # starts as without them
         self.fc = nn.Linear(2 * d, d, bias=style == "eagle")
         self.block = qwen2.TransformerBlock(block_args(args, mlp_size))
+        if pointer:  # a copy head of this rank (model/pointer.py)
+            self.pointer = Pointer(d, pointer)
 
     @classmethod
     def of_shape(cls, shape: dict, hidden_size: int) -> MTPLayer:
@@ -70,7 +74,8 @@ class MTPLayer(nn.Module):
             model_type="qwen2", hidden_size=hidden_size, num_hidden_layers=1,
             vocab_size=1, **{k: shape[k] for k in SHAPE},
         )  # fmt: skip
-        return cls(args, style=shape.get("style", "mtp"), side_layers=shape.get("side_layers", ()))
+        style, side = shape.get("style", "mtp"), shape.get("side_layers", ())
+        return cls(args, style=style, side_layers=side, pointer=shape.get("pointer", 0))
 
     def shape(self) -> dict:
         """What :meth:`of_shape` needs (besides the hidden size) to make this layer again."""
@@ -78,7 +83,8 @@ class MTPLayer(nn.Module):
         shape = {k: t(getattr(args, k)) for k, t in SHAPE.items()}
         side = {"side_layers": list(self.side_layers)} if self.side_layers else {}
         feed = {"feed": FEED} if self.style == "mtp" else {}
-        return {**shape, "style": self.style, **feed, **side}
+        copy = {"pointer": self.pointer.rank} if "pointer" in self else {}
+        return {**shape, "style": self.style, **feed, **side, **copy}
 
     def readout(self, final_norm: nn.Module, g: mx.array) -> mx.array:
         """What the output projection, and the next depth, read of an output

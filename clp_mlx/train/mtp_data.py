@@ -138,6 +138,12 @@ def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray, side=Fal
     targets = targets[:, : length + depths + 1]
     s = np.arange(first, length)[None]
     out = {"h": mx.array(hidden), "tokens": mx.array(np.maximum(tokens, 0)), "first": first}
+    # The token a copy head would copy from each position m, x_{m+2}, as a
+    # draft-vocabulary index (-1: past the row, or not in the vocabulary).
+    after = np.arange(length)[None] + 2
+    ahead = np.take_along_axis(tokens, np.minimum(after, tokens.shape[1] - 1), 1)
+    copies = np.where(after < ends[:, None], id_map[np.maximum(ahead, 0)], -1)
+    out["copies"] = mx.array(copies.astype(np.int32))
     for j in range(1, depths + 1):
         target_at = s + j + 1
         greedy = (target_at >= starts[:, None]) & (target_at < ends[:, None])

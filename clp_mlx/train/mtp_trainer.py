@@ -49,12 +49,16 @@ class MTPTrainConfig:
     side: bool = False  # depth 1 also reads the earlier layers' states the data keeps
     prompt_targets: bool = False  # prompt positions train too, on the backbone's greedy tokens
     side_lr: float = 0.0  # with side: peak learning rate of the side projection (0: lr)
+    pointer: int = 0  # rank of a copy head beside the layer (model/pointer.py; 0: none)
+    pointer_lr: float = 0.0  # its peak learning rate (0: lr)
+    pointer_only: bool = False  # train the copy head alone, the layer as it starts
 
 
 # Settings added since checkpoints recorded ``feed``: one without them was made
 # with these values. (One without ``feed`` read another input: never resumed.)
 ADDED = {"init_from": "", "keep_vocab": False, "group_by_length": False, "side": False,
-         "prompt_targets": False, "side_lr": 0.0}  # fmt: skip
+         "prompt_targets": False, "side_lr": 0.0, "pointer": 0, "pointer_lr": 0.0,
+         "pointer_only": False}  # fmt: skip
 GROUP_BATCHES = 16  # with group_by_length: rows a group, in batches
 
 
@@ -66,10 +70,18 @@ class MTPTrainer:
         ids = mx.array(self.vocab_ids)
         self.w = backbone.output_rows(model, ids).astype(mx.float32)
         model.freeze()
+        if cfg.pointer_only:
+            layer.freeze()
+            layer.pointer.unfreeze()
+        own = []  # (peak rate, which parameters) of those with their own rate
+        if layer.side_layers and cfg.side_lr and cfg.side_lr != cfg.lr:
+            own.append((cfg.side_lr, lambda path, _: path.startswith("side_")))
+        if cfg.pointer and cfg.pointer_lr and cfg.pointer_lr != cfg.lr:
+            own.append((cfg.pointer_lr, lambda path, _: path.startswith("pointer.")))
         self.opt = self.optimizer(cfg.lr)
-        if layer.side_layers and cfg.side_lr and cfg.side_lr != cfg.lr:  # the side projection's own rate
-            side = lambda path, _: path.startswith("side_")
-            self.opt = optim.MultiOptimizer([self.optimizer(cfg.side_lr), self.opt], [side])
+        if own:
+            rest = [self.optimizer(lr) for lr, _ in own] + [self.opt]
+            self.opt = optim.MultiOptimizer(rest, [which for _, which in own])
         self.step, self.history = 0, []
         self.groups, self.targets = None, 0.0
         if cfg.group_by_length:  # each depth's loss: a sum over a batch's targets / their mean
@@ -98,13 +110,18 @@ class MTPTrainer:
     def _loss(self, b: dict):
         total, hits, soft = mx.array(0.0), [], self.cfg.soft
         width = self.model.args.hidden_size
-        for j, g in enumerate(self.outputs(b), 1):
+        outs = self.outputs(b)
+        keys = self._copy_keys(b) if "pointer" in self.layer else None
+        for j, g in enumerate(outs, 1):
             at, y = b[f"at{j}"], b[f"y{j}"]
             if at.size == 0:  # no row of the batch reaches this depth inside its continuation
                 hits.append(mx.array(0))
                 continue
-            logits = self.logits(g.reshape(-1, width)[at])
-            ce = nn.losses.cross_entropy(logits, y, reduction="sum")
+            g = g.reshape(-1, width)[at]
+            logits, aux = self.logits(g), 0.0
+            if keys is not None:
+                logits, aux = self._with_copies(logits, g, at, keys, b, y)
+            ce = nn.losses.cross_entropy(logits, y, reduction="sum") + aux
             if soft:  # the backbone's distribution where it chose y: its state one position on
                 h = b["h"][:, b["first"] :, :width].reshape(-1, width)
                 teacher = mx.softmax(h[at + j] @ self.w.T, axis=-1)
@@ -113,6 +130,29 @@ class MTPTrainer:
             total = total + self.cfg.decay ** (j - 1) * ce / (self.targets or max(1, at.size))
             hits.append((mx.argmax(logits, axis=-1) == y).sum())
         return total, mx.stack(hits)
+
+    def _copy_keys(self, b: dict) -> mx.array:
+        """The copy head's keys (B, L, r): of every position's fused input at depth 1."""
+        tokens, length = b["tokens"], b["h"].shape[1]
+        emb = backbone.embed(self.model, tokens[:, 1 : 1 + length])
+        return self.layer.pointer.keys(self.layer.fuse(b["h"], emb))
+
+    def _with_copies(self, logits, g, at, keys, b: dict, y):
+        """The mixture's log-probabilities at the flat anchors ``at`` (whose
+        outputs are ``g``, (n, d)), and the copy loss: minus the log of the
+        attention on the positions that hold ``y``, where one does (it
+        teaches the pointer where to look while the mixture's weight on it
+        is still small)."""
+        anchors = b["h"].shape[1] - b["first"]
+        row, s = at // anchors, at % anchors + b["first"]
+        valid = (mx.arange(keys.shape[1])[None] < s[:, None])[:, None]  # (n, 1, L): m < s
+        copies = b["copies"][row]
+        pointer = self.layer.pointer
+        mixed = pointer.mix(logits[:, None], g[:, None], keys[row], valid, copies)[:, 0]
+        a, _ = pointer.attend(g[:, None], keys[row], valid & (copies >= 0)[:, None])
+        on = mx.sum(a[:, 0] * (copies == y[:, None]), axis=-1)
+        aux = -mx.sum(mx.where(on > 0, mx.log(mx.maximum(on, 1e-30)), 0.0))
+        return mixed, aux
 
     def batch_rows(self, step: int) -> np.ndarray:
         """The rows of step ``step``: drawn from all rows, or (group_by_length)

@@ -22,6 +22,7 @@ from ..decode.mtp_drafter import draft_chance, run_scores, temperatures
 from ..errors import ClpError
 from ..model import backbone
 from ..model.heads import accept_count
+from ..model.pointer import vocab_index
 from .mtp_data import Rows
 from .trainer import walked_tokens_per_pass
 
@@ -35,9 +36,12 @@ def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array, seen: list |
     k, (rows, length, width) = bundle.k, hidden.shape
     if bundle.config.design == "mtp":
         layer, ids, probs, temps = bundle.mtp, [], [], temperatures(bundle)
+        first = lambda j: backbone.embed(model, tokens[:, 1 : 1 + length])
+        copy = copy_head(model, bundle, hidden, tokens, first(1))
 
         def read(g):  # a depth's draft, and the layer's probability of it
             scores, vocab = bundle._draft_scores(model, layer.readout(model.model.norm, g))
+            scores = scores if copy is None else copy(scores, g)
             if seen is not None:
                 seen.append(scores.astype(mx.float32))
             best = mx.argmax(scores, axis=-1)
@@ -45,7 +49,6 @@ def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array, seen: list |
             probs.append(draft_chance(scores, temps[len(probs)]))
             return backbone.embed(model, ids[-1].astype(mx.uint32))
 
-        first = lambda j: backbone.embed(model, tokens[:, 1 : 1 + length])
         read(layer.unrolled(hidden, first, k, model.model.norm, drafted=read)[-1])
         return np.array(mx.stack(ids, axis=-1)), np.array(run_scores(mx.stack(probs, axis=-1)))
     flat = hidden.reshape(-1, width)
@@ -53,6 +56,20 @@ def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array, seen: list |
     drafts, _ = bundle.draft(model, flat, after)
     clp = bundle.clp_logits(flat).astype(mx.float32)
     return np.array(drafts).reshape(rows, length, k), np.array(clp).reshape(rows, length, k + 1)
+
+
+def copy_head(model, bundle, hidden, tokens, emb):
+    """None, or for an MTP layer with a copy head: a function of a depth's
+    scores (B, L, V') and outputs (B, L, d) giving the mixture's, where
+    anchor ``s`` copies ``x_{m+2}`` of the positions ``m < s`` (model/pointer.py)."""
+    layer, length = bundle.mtp, hidden.shape[1]
+    if "pointer" not in layer:
+        return None
+    vocab = bundle.draft_vocab if "draft_vocab" in bundle else None
+    copies = vocab_index(vocab, model.args.vocab_size)[tokens[:, 2 : 2 + length]]
+    keys = layer.pointer.keys(layer.fuse(hidden, emb))
+    valid = mx.arange(length)[None] < mx.arange(length)[:, None]
+    return lambda scores, g: layer.pointer.mix(scores, g, keys, valid, copies)
 
 
 def targets(tokens: np.ndarray, starts, ends, length: int, k: int):

@@ -1,0 +1,151 @@
+"""The copy head (model/pointer.py): its mixture, decoding's drafts equal
+the held-out report's, it saves and loads, and train_mtp trains it alone."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import decode_pairs
+from mtp_helpers import attending_layer, train_argv, trained
+
+from clp_mlx.cli.train_mtp import main as train_mtp
+from clp_mlx.decode.drafters import PassDrafts
+from clp_mlx.decode.layer_cache import LayerCache
+from clp_mlx.decode.mtp_drafter import MTPDrafter
+from clp_mlx.errors import ClpError
+from clp_mlx.model.heads_files import load_heads, save_heads
+from clp_mlx.model.mtp_layer import MTPLayer
+from clp_mlx.model.pointer import Pointer, vocab_index
+from clp_mlx.train.rows_eval import chain_drafts
+
+
+def copying_layer():
+    """:func:`attending_layer` with a copy head that copies most of the time."""
+    model, bundle = attending_layer()
+    layer = bundle.mtp
+    shape = {**layer.shape(), "pointer": 8}
+    bundle.config.layer = shape
+    copying = MTPLayer.of_shape(shape, model.args.hidden_size)
+    copying.update(layer.parameters())
+    mx.random.seed(3)
+    copying.pointer.q.weight = mx.random.normal(copying.pointer.q.weight.shape)
+    copying.pointer.choose.bias = mx.array([3.0])
+    bundle.mtp = copying
+    return model, bundle
+
+
+def test_the_mixture_adds_each_copy_once_and_drops_those_outside_the_vocabulary():
+    p = Pointer(4, 2)
+    p.choose.bias = mx.array([0.0])  # c = 1/2
+    p.choose.weight = mx.zeros_like(p.choose.weight)
+    keys = mx.zeros((4, 2))  # every valid position alike
+    copies = mx.array([1, 1, 3, -1])
+    valid = mx.array([[True, True, True, True]])
+    logp = p.mix(mx.zeros((1, 5)), mx.ones((1, 4)), keys, valid, copies)
+    probs = np.exp(np.array(logp[0]))
+    want = 0.5 * np.full(5, 0.2) + 0.5 * np.array([0, 2, 0, 1, 0]) / 3
+    np.testing.assert_allclose(probs, want, atol=1e-5)
+    none = p.mix(mx.zeros((1, 5)), mx.ones((1, 4)), keys, mx.zeros((1, 4), dtype=mx.bool_), copies)
+    np.testing.assert_allclose(np.exp(np.array(none[0])), np.full(5, 0.2), atol=1e-5)
+    index = vocab_index(mx.array([7, 2, 9]), 10)
+    assert index.tolist() == [-1, -1, 1, -1, -1, -1, -1, 0, -1, 2]
+
+
+def test_decoding_drafts_what_the_report_drafts():
+    """At every anchor the drafter, following the committed tokens with its
+    cache, drafts what the held-out report's unrolled pass drafts over the
+    same positions; and the copy head changes drafts (else this proves nothing)."""
+    model, bundle = copying_layer()
+    seq = mx.array(([5, 9, 17, 3, 77] * 8)[:36])  # repeats: something to copy
+    hidden = model.model(seq[None])[0]
+    drafter = MTPDrafter(model, bundle)
+    drafter.prompt(hidden[:9], seq[1:10])
+    whole, _ = chain_drafts(model, bundle, hidden[None, :30], seq[None])
+    plain = MTPLayer.of_shape({**bundle.mtp.shape(), "pointer": 0}, model.args.hidden_size)
+    plain.update({k: v for k, v in bundle.mtp.parameters().items() if k != "pointer"})
+    bundle_plain = load_like(bundle, plain)
+    without, _ = chain_drafts(model, bundle_plain, hidden[None, :30], seq[None])
+    for end in range(9, 29):
+        committed = seq[end + 1 : end + 2].tolist()
+        drafter.observe(committed, PassDrafts(None, None, None, fed=hidden[end : end + 1]))
+        assert drafter.candidates(3, 1)[0] == whole[0, end].tolist()
+    assert (whole != without).any()
+
+
+def load_like(bundle, layer):
+    """A copy of ``bundle`` whose MTP layer is ``layer``."""
+    import copy
+
+    other = copy.copy(bundle)
+    other.mtp = layer
+    return other
+
+
+def test_the_cache_trims_and_copies_the_copy_keys():
+    cache = LayerCache()
+    kv = (mx.zeros((1, 2, 5, 4)), mx.zeros((1, 2, 5, 4)))
+    cache.add(kv, [1, 2, 3, 4, 5], mx.arange(10).reshape(5, 2))
+    assert cache.copy().copy_keys.shape == (5, 2)
+    cache.trim(2)
+    assert cache.copy_keys.tolist() == [[0, 1], [2, 3], [4, 5]] and cache.tokens == [1, 2, 3]
+
+
+def test_a_drafter_with_a_copy_head_saves_loads_and_verify_stays_greedy(tmp_path):
+    model, bundle = copying_layer()
+    loaded = load_heads(save_heads(bundle, tmp_path / "copying"), model)
+    assert loaded.config.layer["pointer"] == 8
+    np.testing.assert_array_equal(loaded.mtp.pointer.q.weight, bundle.mtp.pointer.q.weight)
+    prompt = [5, 9, 17, 3, 77, 41, 5, 9, 17, 3]
+    plain = list(decode_pairs(prompt, model, loaded, max_tokens=30, mode="ar"))
+    fast = list(decode_pairs(prompt, model, loaded, max_tokens=30, mode="verify"))
+    assert [t for t, _ in fast] == [t for t, _ in plain]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return trained(tmp_path_factory.mktemp("pointer"), steps=6)
+
+
+def test_pointer_only_trains_the_copy_head_and_keeps_the_layer(root):
+    from clp_mlx.api import load_with_drafter
+
+    base = str(root / "m/drafter")
+    flags = ["--init-from", base, "--pointer", "8", "--pointer-only", "--lr", "1e-2"]
+    assert train_mtp(train_argv(root, "p", *flags)) == 0
+    assert train_mtp(train_argv(root, "still", *flags, "--pointer-lr", "1e-12")) == 0
+    backbone, _, _ = load_with_drafter(str(root / "tiny"), "none")
+    before, after = load_heads(base, backbone), load_heads(root / "p/drafter", backbone)
+    still = load_heads(root / "still/drafter", backbone)
+    assert after.config.layer["pointer"] == 8
+    np.testing.assert_array_equal(after.mtp.fc.weight, before.mtp.fc.weight)  # the layer kept
+    moved = np.abs(np.array(after.mtp.pointer.q.weight - still.mtp.pointer.q.weight)).max()
+    assert moved > 1e-3  # the copy head learned (the same start, one run at ~no rate)
+    report = json.loads((root / "p/drafter/training.json").read_text())
+    assert report["config"]["pointer_only"] and report["held_out"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--pointer-only", "--pointer", "8"], "--pointer-only trains a copy head"),
+        (["--pointer-lr", "1e-3"], "--pointer-lr"),
+        (["--pointer", "-1"], "--pointer must be"),
+    ],
+)
+def test_copy_head_flags_are_refused_with_one_line(root, extra, message):
+    with pytest.raises(ClpError, match=message):
+        train_mtp(train_argv(root, "refused", *extra))
+
+
+@pytest.mark.parametrize("rank, message", [(None, "unknown head weights"), ("x", "whole number")])
+def test_a_copy_head_heads_json_does_not_describe_is_refused(tmp_path, rank, message):
+    model, bundle = copying_layer()
+    folder = save_heads(bundle, tmp_path / "copying")
+    config = json.loads((folder / "heads.json").read_text())
+    config["layer"].pop("pointer")
+    if rank is not None:
+        config["layer"]["pointer"] = rank
+    (folder / "heads.json").write_text(json.dumps(config))
+    with pytest.raises(ClpError, match=message):
+        load_heads(folder, model)
