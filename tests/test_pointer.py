@@ -16,15 +16,16 @@ from clp_mlx.decode.mtp_drafter import MTPDrafter
 from clp_mlx.errors import ClpError
 from clp_mlx.model.heads_files import load_heads, save_heads
 from clp_mlx.model.mtp_layer import MTPLayer
-from clp_mlx.model.pointer import Pointer, vocab_index
+from clp_mlx.model.pointer import Pointer, copy_context, draft_ids, id_map
 from clp_mlx.train.rows_eval import chain_drafts
 
 
-def copying_layer():
-    """:func:`attending_layer` with a copy head that copies most of the time."""
+def copying_layer(outside=True):
+    """:func:`attending_layer` with a copy head that copies most of the time
+    (``outside``: tokens outside the draft vocabulary too)."""
     model, bundle = attending_layer()
     layer = bundle.mtp
-    shape = {**layer.shape(), "pointer": 8}
+    shape = {**layer.shape(), "pointer": 8, **({"pointer_outside": True} if outside else {})}
     bundle.config.layer = shape
     copying = MTPLayer.of_shape(shape, model.args.hidden_size)
     copying.update(layer.parameters())
@@ -32,31 +33,42 @@ def copying_layer():
     copying.pointer.q.weight = mx.random.normal(copying.pointer.q.weight.shape)
     copying.pointer.choose.bias = mx.array([3.0])
     bundle.mtp = copying
+    bundle.set_draft_vocab(list(range(64)))  # 77 and the like only a copy can draft
     return model, bundle
 
 
-def test_the_mixture_adds_each_copy_once_and_drops_those_outside_the_vocabulary():
-    p = Pointer(4, 2)
+def test_the_mixture_adds_each_copy_once_and_gives_outside_tokens_their_first_column():
+    p = Pointer(4, 2, outside=True)
     p.choose.bias = mx.array([0.0])  # c = 1/2
     p.choose.weight = mx.zeros_like(p.choose.weight)
-    keys = mx.zeros((4, 2))  # every valid position alike
-    copies = mx.array([1, 1, 3, -1])
-    valid = mx.array([[True, True, True, True]])
-    logp = p.mix(mx.zeros((1, 5)), mx.ones((1, 4)), keys, valid, copies)
+    keys = mx.zeros((5, 2))  # every valid key alike
+    vocab = np.array([7, 2, 9, 4, 5])  # the draft vocabulary: index i holds token vocab[i]
+    offered = np.array([2, 2, 4, 11, 11])  # 11 is outside it: its first key (3) gets the column
+    context = copy_context(offered, id_map(vocab, 12))
+    valid = mx.array([[True] * 5])
+    logp = p.mix(mx.zeros((1, 5)), mx.ones((1, 4)), keys, valid, context)
     probs = np.exp(np.array(logp[0]))
-    want = 0.5 * np.full(5, 0.2) + 0.5 * np.array([0, 2, 0, 1, 0]) / 3
-    np.testing.assert_allclose(probs, want, atol=1e-5)
-    none = p.mix(mx.zeros((1, 5)), mx.ones((1, 4)), keys, mx.zeros((1, 4), dtype=mx.bool_), copies)
-    np.testing.assert_allclose(np.exp(np.array(none[0])), np.full(5, 0.2), atol=1e-5)
-    index = vocab_index(mx.array([7, 2, 9]), 10)
-    assert index.tolist() == [-1, -1, 1, -1, -1, -1, -1, 0, -1, 2]
+    inside = 0.5 * np.full(5, 0.2) + 0.5 * np.array([0, 2, 0, 1, 0]) / 5
+    np.testing.assert_allclose(probs, [*inside, 0, 0, 0, 0.5 * 2 / 5, 0], atol=1e-5)
+    assert probs.sum() == pytest.approx(1, abs=1e-4)
+    ids = draft_ids(mx.array(vocab), 12, mx.array(offered))
+    assert ids.tolist() == [7, 2, 9, 4, 5, 2, 2, 4, 11, 11]
+    early = mx.array([[True, True, True, False, False]])  # the anchor sees the first three
+    probs = np.exp(np.array(p.mix(mx.zeros((1, 5)), mx.ones((1, 4)), keys, early, context)[0]))
+    np.testing.assert_allclose(probs[5:], 0, atol=1e-6)
+    none = p.mix(mx.zeros((1, 5)), mx.ones((1, 4)), keys, valid & False, context)
+    np.testing.assert_allclose(np.exp(np.array(none[0]))[:5], np.full(5, 0.2), atol=1e-5)
+    p.outside = False  # it attends to the keys offering tokens of the vocabulary only
+    probs = np.exp(np.array(p.mix(mx.zeros((1, 5)), mx.ones((1, 4)), keys, valid, context)[0]))
+    np.testing.assert_allclose(probs, 0.1 + 0.5 * np.array([0, 2, 0, 1, 0]) / 3, atol=1e-5)
 
 
-def test_decoding_drafts_what_the_report_drafts():
+@pytest.mark.parametrize("outside", [True, False])
+def test_decoding_drafts_what_the_report_drafts(outside):
     """At every anchor the drafter, following the committed tokens with its
     cache, drafts what the held-out report's unrolled pass drafts over the
     same positions; and the copy head changes drafts (else this proves nothing)."""
-    model, bundle = copying_layer()
+    model, bundle = copying_layer(outside)
     seq = mx.array(([5, 9, 17, 3, 77] * 8)[:36])  # repeats: something to copy
     hidden = model.model(seq[None])[0]
     drafter = MTPDrafter(model, bundle)
@@ -71,6 +83,8 @@ def test_decoding_drafts_what_the_report_drafts():
         drafter.observe(committed, PassDrafts(None, None, None, fed=hidden[end : end + 1]))
         assert drafter.candidates(3, 1)[0] == whole[0, end].tolist()
     assert (whole != without).any()
+    # copies from outside the vocabulary: only where the copy head makes them
+    assert (whole[0, 9:29] >= 64).any() == outside
 
 
 def load_like(bundle, layer):
@@ -131,6 +145,7 @@ def test_pointer_only_trains_the_copy_head_and_keeps_the_layer(root):
         (["--pointer-only", "--pointer", "8"], "--pointer-only trains a copy head"),
         (["--pointer-lr", "1e-3"], "--pointer-lr"),
         (["--pointer", "-1"], "--pointer must be"),
+        (["--pointer-outside"], "--pointer-outside goes with --pointer"),
     ],
 )
 def test_copy_head_flags_are_refused_with_one_line(root, extra, message):
@@ -138,14 +153,41 @@ def test_copy_head_flags_are_refused_with_one_line(root, extra, message):
         train_mtp(train_argv(root, "refused", *extra))
 
 
-@pytest.mark.parametrize("rank, message", [(None, "unknown head weights"), ("x", "whole number")])
-def test_a_copy_head_heads_json_does_not_describe_is_refused(tmp_path, rank, message):
-    model, bundle = copying_layer()
+@pytest.mark.parametrize(
+    "rank, outside, message",
+    [(None, None, "unknown head weights"), ("x", None, "whole number"),
+     (None, True, "only with a pointer"), (8, "yes", "must be true")],
+)  # fmt: skip
+def test_a_copy_head_heads_json_does_not_describe_is_refused(tmp_path, rank, outside, message):
+    model, bundle = copying_layer(outside=False)
     folder = save_heads(bundle, tmp_path / "copying")
     config = json.loads((folder / "heads.json").read_text())
     config["layer"].pop("pointer")
     if rank is not None:
         config["layer"]["pointer"] = rank
+    if outside is not None:
+        config["layer"]["pointer_outside"] = outside
     (folder / "heads.json").write_text(json.dumps(config))
     with pytest.raises(ClpError, match=message):
         load_heads(folder, model)
+
+
+def test_training_targets_outside_the_vocabulary_are_the_first_earlier_offer(root):
+    from clp_mlx.train.mtp_data import Rows, batch
+
+    rows = Rows.of([root / "data"])
+    vocab = np.arange(0, 200, 3)  # a third of the tiny vocabulary: many targets outside it
+    b = batch(rows, np.arange(4), 2, id_map(vocab, 256), copies="outside")
+    offered, first = np.array(b["offered"]), b["first"]
+    anchors = b["h"].shape[1] - first
+    outside = 0
+    for j in (1, 2):
+        for at, y, t in zip(*(np.array(b[f"{k}{j}"]).tolist() for k in ("at", "y", "t"))):
+            row, s = divmod(at, anchors)
+            if y < len(vocab):
+                assert vocab[y] == t
+                continue
+            m = y - len(vocab)
+            assert offered[row, m] == t and m < s + first and t not in offered[row, :m]
+            outside += 1
+    assert outside > 0

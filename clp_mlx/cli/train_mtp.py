@@ -53,6 +53,7 @@ HELP = {
     "pointer_lr": "with --pointer: the copy head's peak learning rate (0: --lr)",
     "pointer_only": "with --pointer and --init-from: train the copy head alone, the layer "
     "kept as it is",
+    "pointer_outside": "with --pointer: it also copies tokens outside the draft vocabulary",
 }
 FLAGS = tuple(HELP)
 
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
         raise ClpError("--side-lr must be in [0, 1), and given only with --side")
     if cfg.pointer < 0 or not 0 <= cfg.pointer_lr < 1 or (cfg.pointer_lr and not cfg.pointer):
         raise ClpError("--pointer must be >= 0, --pointer-lr in [0, 1) and only with --pointer")
+    if cfg.pointer_outside and not cfg.pointer:
+        raise ClpError("--pointer-outside goes with --pointer")
     if cfg.pointer_only and not (cfg.pointer and cfg.init_from):
         raise ClpError("--pointer-only trains a copy head beside --init-from's layer: give both")
     if cfg.keep_vocab and not cfg.init_from:
@@ -219,6 +222,7 @@ def _trainer(args, cfg: MTPTrainConfig):
     from ..api import load_with_drafter
     from ..model.mtp_layer import MTPLayer
     from ..train.mtp_data import Rows
+    from ..train.mtp_start import kept_vocab, start_from
     from ..train.mtp_trainer import MTPTrainer
     from ..train.trainer import draft_vocabulary
 
@@ -229,57 +233,18 @@ def _trainer(args, cfg: MTPTrainConfig):
         raise ClpError("--side: --data keeps no earlier layers' states, or not the same in "
                        "every folder (distill --side-layers)")  # fmt: skip
     side = rows.side_layers if cfg.side else ()
-    layer = MTPLayer(model.args, cfg.mlp_size, side_layers=side, pointer=cfg.pointer)
+    copy = {"pointer": cfg.pointer, "outside": cfg.pointer_outside}
+    layer = MTPLayer(model.args, cfg.mlp_size, side_layers=side, **copy)
     kept = None
     if cfg.init_from:
-        kept = _start_from(layer, model, Path(cfg.init_from))
+        kept = start_from(layer, model, Path(cfg.init_from))
     else:
         layer.start_as_backbone(model.model.norm)
     if cfg.keep_vocab:
-        ids = _kept_vocab(kept, cfg)
+        ids = kept_vocab(kept, cfg)
     else:
         ids = draft_vocabulary(rows.greedy_tokens(), cfg.draft_vocab, model.args.vocab_size, kept)
     return MTPTrainer(model, layer, rows, cfg, ids)
-
-
-def _kept_vocab(ids, cfg: MTPTrainConfig):
-    """The init drafter's draft vocabulary, checked against --draft-vocab."""
-    import numpy as np
-
-    if ids is None:
-        raise ClpError(f"--keep-vocab: the drafter in {cfg.init_from} has no draft vocabulary")
-    if len(ids) != cfg.draft_vocab:
-        raise ClpError(f"--keep-vocab: the drafter in {cfg.init_from} drafts from {len(ids)} "
-                       f"tokens: give --draft-vocab {len(ids)}")  # fmt: skip
-    return np.asarray(ids)
-
-
-def _start_from(layer, model, folder: Path):
-    """``layer`` takes the MTP layer of the drafter in ``folder``; its draft
-    vocabulary (token ids, None for the whole) is returned. The layer's
-    weights do not depend on it (drafts are read through the backbone's own
-    output rows), so by default this run's data chooses its own, and its ids
-    fill what the data leaves (--keep-vocab: it is kept whole)."""
-    import mlx.core as mx
-    from mlx.utils import tree_map
-
-    from ..model.heads_files import load_heads
-
-    bundle = load_heads(folder, model)  # checked against this backbone
-    if bundle.config.design != "mtp" or bundle.mtp.style != "mtp":
-        raise ClpError(f"--init-from {folder}: not an MTP-layer drafter (train_mtp writes those)")
-    if bundle.mtp.side_layers and bundle.mtp.side_layers != layer.side_layers:
-        raise ClpError(f"--init-from {folder}: its layer reads the states after layers "
-                       f"{list(bundle.mtp.side_layers)}: give --side and data keeping those")  # fmt: skip
-    loose = {"side_layers": 0, "pointer": 0}  # a copy head may be added to a layer without
-    if {**bundle.mtp.shape(), **loose} != {**layer.shape(), **loose}:
-        width = bundle.mtp.block.args.intermediate_size
-        raise ClpError(f"--init-from {folder}: its layer has another shape (--mlp-size {width}?)")
-    rank = bundle.mtp.shape().get("pointer", 0)
-    if rank and rank != layer.shape().get("pointer", 0):
-        raise ClpError(f"--init-from {folder}: its layer has a copy head: give --pointer {rank}")
-    layer.update(tree_map(lambda a: a.astype(mx.float32), bundle.mtp.parameters()))
-    return bundle.draft_vocab.tolist() if "draft_vocab" in bundle else None
 
 
 HELD_ROWS = 32  # held-out rows checked at every checkpoint

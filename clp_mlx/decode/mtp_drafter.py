@@ -18,10 +18,11 @@ draft vocabulary, at the depth's calibrated temperature: train/calibrate.py).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ..model import backbone
 from ..model.layer_states import watch_layers
-from ..model.pointer import vocab_index
+from ..model.pointer import copy_context, draft_ids, id_map
 from .drafters import PassDrafts
 from .layer_cache import LayerCache
 
@@ -57,10 +58,10 @@ class MTPDrafter:
         self.runners_up = runners_up
         self._drafts: list[int] = []
         self._others: list = []  # per depth drafted: (ids, chances) of the runners-up
+        self.vocab = bundle.draft_vocab if "draft_vocab" in bundle else None
         self.index = None  # with a copy head: token id -> draft-vocabulary index
         if "pointer" in self.layer:
-            vocab = bundle.draft_vocab if "draft_vocab" in bundle else None
-            self.index = vocab_index(vocab, model.args.vocab_size)
+            self.index = id_map(self.vocab, model.args.vocab_size)
 
     def prompt(self, hidden: mx.array, tokens: mx.array) -> None:
         """Prefill: ``hidden`` (n, d) at the next n positions, ``tokens`` (n,)
@@ -125,8 +126,8 @@ class MTPDrafter:
                 x = self.layer.fuse(out[None], emb[None].astype(out.dtype))
                 g, past = self.layer.step(x, self.offset + depth - 1, past)
                 out = self.layer.readout(self.model.model.norm, g[0])
-            scores, ids = self.bundle._draft_scores(self.model, out)
-            scores = scores if copy is None else copy(scores, g[0])
+            scores, vocab = self.bundle._draft_scores(self.model, out)
+            scores, ids = (scores, vocab) if copy is None else copy(scores, g[0])
             best = mx.argmax(scores, axis=-1)
             probs.append(draft_chance(scores[0], temps[depth]))
             if self.runners_up:
@@ -148,10 +149,13 @@ class MTPDrafter:
         n = self.cache.offset - 1  # positions with a token two on
         if self.index is None or n < 1 or self.cache.copy_keys is None:
             return None
-        keys = self.cache.copy_keys[:n]
-        copies = self.index[mx.array(self.cache.tokens[1 : n + 1])]
+        keys, tokens = self.cache.copy_keys[:n], self.cache.tokens[1 : n + 1]
+        context = copy_context(np.array(tokens), self.index)
         valid = mx.ones((1, n), dtype=mx.bool_)
-        return lambda scores, g: self.layer.pointer.mix(scores, g, keys, valid, copies)
+        ids = self.vocab
+        if self.layer.pointer.outside:  # its columns past the vocabulary: the keys' tokens
+            ids = draft_ids(self.vocab, self.model.args.vocab_size, mx.array(tokens))
+        return lambda scores, g: (self.layer.pointer.mix(scores, g, keys, valid, context), ids)
 
     def can_branch(self) -> bool:
         return False  # no fixed-size trees: runners-up go in by their chances (alternatives)

@@ -99,6 +99,10 @@ def _layer(value, what: str) -> dict:
         out["side_layers"] = [whole(n, f"{what}.side_layers", 1) for n in side]
     if "pointer" in value:  # a copy head's rank (model/pointer.py)
         out["pointer"] = whole(value["pointer"], f"{what}.pointer", 1, most=4096)
+    if "pointer_outside" in value:  # it also copies tokens outside the draft vocabulary
+        if value["pointer_outside"] is not True or "pointer" not in value:
+            raise ClpError(f"{what}.pointer_outside must be true, and only with a pointer")
+        out["pointer_outside"] = True
     if out["num_attention_heads"] % out["num_key_value_heads"]:
         raise ClpError(f"{what}: num_attention_heads must be a multiple of num_key_value_heads")
     return out

@@ -51,7 +51,7 @@ def block_args(args, mlp_size: int = 0):
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, args, mlp_size=0, style="mtp", side_layers=(), pointer: int = 0):
+    def __init__(self, args, mlp_size=0, style="mtp", side_layers=(), pointer=0, outside=False):
         super().__init__()
         d, eps = args.hidden_size, args.rms_norm_eps
         self.style, self.side_layers = style, tuple(side_layers)
@@ -65,7 +65,7 @@ class MTPLayer(nn.Module):
         self.fc = nn.Linear(2 * d, d, bias=style == "eagle")
         self.block = qwen2.TransformerBlock(block_args(args, mlp_size))
         if pointer:  # a copy head of this rank (model/pointer.py)
-            self.pointer = Pointer(d, pointer)
+            self.pointer = Pointer(d, pointer, outside)
 
     @classmethod
     def of_shape(cls, shape: dict, hidden_size: int) -> MTPLayer:
@@ -75,7 +75,8 @@ class MTPLayer(nn.Module):
             vocab_size=1, **{k: shape[k] for k in SHAPE},
         )  # fmt: skip
         style, side = shape.get("style", "mtp"), shape.get("side_layers", ())
-        return cls(args, style=style, side_layers=side, pointer=shape.get("pointer", 0))
+        copy = {"pointer": shape.get("pointer", 0), "outside": shape.get("pointer_outside", False)}
+        return cls(args, style=style, side_layers=side, **copy)
 
     def shape(self) -> dict:
         """What :meth:`of_shape` needs (besides the hidden size) to make this layer again."""
@@ -84,6 +85,8 @@ class MTPLayer(nn.Module):
         side = {"side_layers": list(self.side_layers)} if self.side_layers else {}
         feed = {"feed": FEED} if self.style == "mtp" else {}
         copy = {"pointer": self.pointer.rank} if "pointer" in self else {}
+        if copy and self.pointer.outside:
+            copy["pointer_outside"] = True
         return {**shape, "style": self.style, **feed, **side, **copy}
 
     def readout(self, final_norm: nn.Module, g: mx.array) -> mx.array:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 from mlx import nn
 
 TINY = 1e-9  # added to a mixture before its log: a token of no chance scores ~ -20.7
@@ -37,8 +38,9 @@ def rms(x: mx.array) -> mx.array:
 
 
 class Pointer(nn.Module):
-    def __init__(self, d: int, rank: int):
+    def __init__(self, d: int, rank: int, outside: bool = False):
         super().__init__()
+        self.outside = outside  # columns for copies of tokens outside the draft vocabulary
         self.q = nn.Linear(d, rank, bias=False)
         self.k = nn.Linear(d, rank, bias=False)
         self.choose = nn.Linear(d, 1)  # the copy chance's logit from the output
@@ -63,15 +65,49 @@ class Pointer(nn.Module):
         c = mx.sigmoid(self.choose(rms(g))[..., 0] + self.sharpness * best)
         return a, c * mx.any(valid, axis=-1)
 
-    def mix(self, scores: mx.array, g: mx.array, keys: mx.array, valid, copies: mx.array):
-        """Log-probabilities (..., A, V') of the mixture, from the layer's
-        ``scores`` (..., A, V') and the draft-vocabulary index of each key's
-        token (``copies``, (..., n) broadcast like ``valid``; -1: none)."""
-        a, c = self.attend(g, keys, valid & (copies >= 0)[..., None, :])
-        index = mx.broadcast_to(mx.maximum(copies, 0)[..., None, :], a.shape).astype(mx.int32)
-        mass = _scatter_add(mx.zeros(scores.shape), index, a)
+    def usable(self, context: dict) -> mx.array:
+        """The keys (..., n) it attends to: those offering a token (in the
+        draft vocabulary unless :attr:`outside`)."""
+        return context["has"] if self.outside else context["index"] >= 0
+
+    def mix(self, scores: mx.array, g: mx.array, keys: mx.array, valid, context: dict):
+        """Log-probabilities of the mixture, from the layer's ``scores``
+        (..., A, V'): over the draft vocabulary (copies of tokens outside it
+        dropped), or with :attr:`outside` (..., A, V' + n): then one column
+        per key for the tokens outside it, at the first key offering each
+        (-inf at the others). ``context``: :func:`copy_context` of the keys'
+        tokens, each (..., n), broadcast like ``valid`` (..., A, n)."""
+        index = context["index"][..., None, :]
+        a, c = self.attend(g, keys, valid & self.usable(context)[..., None, :])
+        at = mx.broadcast_to(mx.maximum(index, 0), a.shape).astype(mx.int32)
+        mass = _scatter_add(mx.zeros(scores.shape), at, a * (index >= 0))
         probs = (1 - c[..., None]) * mx.softmax(scores.astype(mx.float32), axis=-1)
-        return mx.log(probs + c[..., None] * mass + TINY)
+        inside = mx.log(probs + c[..., None] * mass + TINY)
+        if not self.outside:
+            return inside
+        group = mx.broadcast_to(context["group"][..., None, :], a.shape).astype(mx.int32)
+        outside = c[..., None] * _scatter_add(mx.zeros(a.shape), group, a)
+        first = valid & context["outside"][..., None, :]
+        return mx.concatenate([inside, mx.where(first, mx.log(outside + TINY), -mx.inf)], -1)
+
+
+def copy_context(tokens: np.ndarray, id_map: np.ndarray) -> dict:
+    """What :meth:`Pointer.mix` needs of the tokens the keys offer
+    (``tokens`` (..., n), -1: none): whether each key has one, its
+    draft-vocabulary index (-1: none, or outside it), the first key with
+    the same token (``group``), and whether the key is that first one for a
+    token outside the vocabulary (``outside``)."""
+    tokens = np.asarray(tokens)
+    flat = tokens.reshape(-1, tokens.shape[-1])
+    group = np.empty_like(flat)
+    for r, row in enumerate(flat):
+        _, first, inverse = np.unique(row, return_index=True, return_inverse=True)
+        group[r] = first[inverse.reshape(-1)]
+    group = group.reshape(tokens.shape)
+    index = np.where(tokens >= 0, id_map[np.maximum(tokens, 0)], -1)
+    outside = (group == np.arange(tokens.shape[-1])) & (tokens >= 0) & (index < 0)
+    arrays = {"has": tokens >= 0, "index": index, "group": group, "outside": outside}
+    return {k: mx.array(v.astype(np.int32) if v.dtype != bool else v) for k, v in arrays.items()}
 
 
 def _scatter_add(into: mx.array, index: mx.array, values: mx.array) -> mx.array:
@@ -82,11 +118,19 @@ def _scatter_add(into: mx.array, index: mx.array, values: mx.array) -> mx.array:
     return flat.at[rows, index.reshape(n, m)].add(values.reshape(n, m)).reshape(into.shape)
 
 
-def vocab_index(draft_vocab, vocab_size: int) -> mx.array:
+def id_map(draft_vocab, vocab_size: int) -> np.ndarray:
     """Token id -> draft-vocabulary index (-1: not in it); ``draft_vocab``
     None: the whole vocabulary (the index is the id)."""
     if draft_vocab is None:
-        return mx.arange(vocab_size, dtype=mx.int32)
-    ids = draft_vocab.astype(mx.int32)
-    out = mx.full((vocab_size,), -1, dtype=mx.int32)
-    return out.at[ids].add(mx.arange(ids.size, dtype=mx.int32) + 1)
+        return np.arange(vocab_size)
+    out = np.full(vocab_size, -1, dtype=np.int64)
+    out[np.asarray(draft_vocab)] = np.arange(len(draft_vocab))
+    return out
+
+
+def draft_ids(draft_vocab, vocab_size: int, tokens: mx.array) -> mx.array:
+    """The token id of each column of :meth:`Pointer.mix`: the draft
+    vocabulary's, then the keys' ``tokens`` (..., n)."""
+    ids = mx.arange(vocab_size) if draft_vocab is None else draft_vocab
+    ids = mx.broadcast_to(ids.astype(mx.int32), (*tokens.shape[:-1], ids.size))
+    return mx.concatenate([ids, mx.maximum(tokens, 0).astype(mx.int32)], axis=-1)

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ClpError
+from ..model.pointer import copy_context, id_map
 from .selfdistill_store import load_shard, shard_folders
 
 
@@ -118,13 +119,17 @@ class Rows:
 
 
 def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray, side=False,
-          prompt_greedy=None) -> dict:  # fmt: skip
+          prompt_greedy=None, copies="") -> dict:  # fmt: skip
     """A training batch of rows ``idx`` (see the module's docstring), cut to
     the longest row, with the first anchor that has a target at some depth
     (``first``; the indices count anchors from it). ``prompt_greedy``: a
     function of a row index giving the backbone's greedy token at each of its
     prompt's positions (index ``p``: the token it chose after position ``p - 1``;
-    index 0 unused); with it, those are targets too."""
+    index 0 unused); with it, those are targets too. ``copies`` ("inside"
+    or "outside"): for a copy head, what its keys offer
+    (:func:`.pointer.copy_context`); "outside": targets outside the draft
+    vocabulary that an earlier position offers are targets too, each the
+    column of its first such position (V' + m)."""
     hidden, tokens, starts, ends = rows.gather(idx, depths, side)
     targets = tokens
     if prompt_greedy is not None:
@@ -138,26 +143,31 @@ def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray, side=Fal
     targets = targets[:, : length + depths + 1]
     s = np.arange(first, length)[None]
     out = {"h": mx.array(hidden), "tokens": mx.array(np.maximum(tokens, 0)), "first": first}
-    # The token a copy head would copy from each position m, x_{m+2}, as a
-    # draft-vocabulary index (-1: past the row, or not in the vocabulary).
-    after = np.arange(length)[None] + 2
-    ahead = np.take_along_axis(tokens, np.minimum(after, tokens.shape[1] - 1), 1)
-    copies = np.where(after < ends[:, None], id_map[np.maximum(ahead, 0)], -1)
-    out["copies"] = mx.array(copies.astype(np.int32))
+    if copies:  # what each position m offers a copy head: x_{m+2} (-1: past the row)
+        after = np.arange(length)[None] + 2
+        ahead = np.take_along_axis(tokens, np.minimum(after, tokens.shape[1] - 1), 1)
+        offered = np.where(after < ends[:, None], ahead, -1)
+        out["context"] = copy_context(offered, id_map)
+        out["offered"] = mx.array(offered.astype(np.int32))
+        first_offer = [{t: m for m, t in reversed(list(enumerate(row)))} for row in offered]
+    size = int(id_map.max()) + 1  # the draft vocabulary's
     for j in range(1, depths + 1):
         target_at = s + j + 1
         greedy = (target_at >= starts[:, None]) & (target_at < ends[:, None])
         target = np.take_along_axis(targets, np.minimum(target_at, targets.shape[1] - 1), 1)
-        mapped = id_map[np.maximum(target, 0)]
-        flat = np.flatnonzero(greedy & (mapped >= 0))
+        label = id_map[np.maximum(target, 0)]
+        if copies == "outside":  # outside the vocabulary: the first key offering it
+            for b, a in zip(*np.nonzero(label < 0)):
+                m = first_offer[b].get(int(target[b, a]), length)
+                label[b, a] = size + m if m < s[0, a] else -1
+        flat = np.flatnonzero(greedy & (label >= 0))
         out[f"at{j}"] = mx.array(flat.astype(np.int32))
-        out[f"y{j}"] = mx.array(mapped.reshape(-1)[flat].astype(np.int32))
+        out[f"y{j}"] = mx.array(label.reshape(-1)[flat].astype(np.int32))
+        out[f"t{j}"] = mx.array(target.reshape(-1)[flat].astype(np.int32))
         out[f"all{j}"] = int(greedy.sum())
     return out
 
 
 def id_map_of(vocab_ids: np.ndarray, vocab_size: int) -> np.ndarray:
     """Token id -> draft-vocabulary index (-1: not in it)."""
-    out = np.full(vocab_size, -1, dtype=np.int64)
-    out[vocab_ids] = np.arange(len(vocab_ids))
-    return out
+    return id_map(vocab_ids, vocab_size)

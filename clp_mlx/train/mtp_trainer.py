@@ -52,13 +52,14 @@ class MTPTrainConfig:
     pointer: int = 0  # rank of a copy head beside the layer (model/pointer.py; 0: none)
     pointer_lr: float = 0.0  # its peak learning rate (0: lr)
     pointer_only: bool = False  # train the copy head alone, the layer as it starts
+    pointer_outside: bool = False  # it also copies tokens outside the draft vocabulary
 
 
 # Settings added since checkpoints recorded ``feed``: one without them was made
 # with these values. (One without ``feed`` read another input: never resumed.)
 ADDED = {"init_from": "", "keep_vocab": False, "group_by_length": False, "side": False,
          "prompt_targets": False, "side_lr": 0.0, "pointer": 0, "pointer_lr": 0.0,
-         "pointer_only": False}  # fmt: skip
+         "pointer_only": False, "pointer_outside": False}  # fmt: skip
 GROUP_BATCHES = 16  # with group_by_length: rows a group, in batches
 
 
@@ -120,11 +121,13 @@ class MTPTrainer:
             g = g.reshape(-1, width)[at]
             logits, aux = self.logits(g), 0.0
             if keys is not None:
-                logits, aux = self._with_copies(logits, g, at, keys, b, y)
+                logits, aux = self._with_copies(logits, g, at, keys, b, b[f"t{j}"])
             ce = nn.losses.cross_entropy(logits, y, reduction="sum") + aux
             if soft:  # the backbone's distribution where it chose y: its state one position on
                 h = b["h"][:, b["first"] :, :width].reshape(-1, width)
                 teacher = mx.softmax(h[at + j] @ self.w.T, axis=-1)
+                extra = logits.shape[-1] - teacher.shape[-1]  # a copy head's columns
+                teacher = mx.pad(teacher, [(0, 0), (0, extra)]) if extra else teacher
                 own = -(mx.stop_gradient(teacher) * nn.log_softmax(logits, axis=-1)).sum()
                 ce = (1 - soft) * ce + soft * own
             total = total + self.cfg.decay ** (j - 1) * ce / (self.targets or max(1, at.size))
@@ -137,20 +140,20 @@ class MTPTrainer:
         emb = backbone.embed(self.model, tokens[:, 1 : 1 + length])
         return self.layer.pointer.keys(self.layer.fuse(b["h"], emb))
 
-    def _with_copies(self, logits, g, at, keys, b: dict, y):
+    def _with_copies(self, logits, g, at, keys, b: dict, target):
         """The mixture's log-probabilities at the flat anchors ``at`` (whose
         outputs are ``g``, (n, d)), and the copy loss: minus the log of the
-        attention on the positions that hold ``y``, where one does (it
-        teaches the pointer where to look while the mixture's weight on it
-        is still small)."""
+        attention on the positions that offer the ``target`` tokens, where
+        one does (it teaches the pointer where to look while the mixture's
+        weight on it is still small)."""
         anchors = b["h"].shape[1] - b["first"]
         row, s = at // anchors, at % anchors + b["first"]
         valid = (mx.arange(keys.shape[1])[None] < s[:, None])[:, None]  # (n, 1, L): m < s
-        copies = b["copies"][row]
+        context = {name: v[row] for name, v in b["context"].items()}
         pointer = self.layer.pointer
-        mixed = pointer.mix(logits[:, None], g[:, None], keys[row], valid, copies)[:, 0]
-        a, _ = pointer.attend(g[:, None], keys[row], valid & (copies >= 0)[:, None])
-        on = mx.sum(a[:, 0] * (copies == y[:, None]), axis=-1)
+        mixed = pointer.mix(logits[:, None], g[:, None], keys[row], valid, context)[:, 0]
+        a, _ = pointer.attend(g[:, None], keys[row], valid & pointer.usable(context)[:, None])
+        on = mx.sum(a[:, 0] * (b["offered"][row] == target[:, None]), axis=-1)
         aux = -mx.sum(mx.where(on > 0, mx.log(mx.maximum(on, 1e-30)), 0.0))
         return mixed, aux
 
@@ -173,7 +176,8 @@ class MTPTrainer:
         side = bool(self.layer.side_layers)
         greedy = self.prompt_greedy if rows is None and self.cfg.prompt_targets else None
         rows = self.rows if rows is None else rows
-        return batch(rows, idx, self.cfg.depths, self.id_map, side, greedy)
+        copies = "pointer" in self.layer and ("outside" if self.layer.pointer.outside else "inside")
+        return batch(rows, idx, self.cfg.depths, self.id_map, side, greedy, copies)
 
     def prompt_greedy(self, i: int) -> np.ndarray:
         """The backbone's greedy token after each position of training row

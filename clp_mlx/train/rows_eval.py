@@ -22,7 +22,7 @@ from ..decode.mtp_drafter import draft_chance, run_scores, temperatures
 from ..errors import ClpError
 from ..model import backbone
 from ..model.heads import accept_count
-from ..model.pointer import vocab_index
+from ..model.pointer import copy_context, draft_ids, id_map
 from .mtp_data import Rows
 from .trainer import walked_tokens_per_pass
 
@@ -41,11 +41,15 @@ def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array, seen: list |
 
         def read(g):  # a depth's draft, and the layer's probability of it
             scores, vocab = bundle._draft_scores(model, layer.readout(model.model.norm, g))
-            scores = scores if copy is None else copy(scores, g)
+            if copy is not None:  # columns past the draft vocabulary: copies of other tokens
+                scores, vocab = copy(scores, g)
             if seen is not None:
                 seen.append(scores.astype(mx.float32))
             best = mx.argmax(scores, axis=-1)
-            ids.append(best if vocab is None else vocab[best])
+            if vocab is not None and vocab.ndim > 1:  # each row's own columns
+                ids.append(mx.take_along_axis(vocab, best[..., None], axis=-1)[..., 0])
+            else:
+                ids.append(best if vocab is None else vocab[best])
             probs.append(draft_chance(scores, temps[len(probs)]))
             return backbone.embed(model, ids[-1].astype(mx.uint32))
 
@@ -60,16 +64,22 @@ def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array, seen: list |
 
 def copy_head(model, bundle, hidden, tokens, emb):
     """None, or for an MTP layer with a copy head: a function of a depth's
-    scores (B, L, V') and outputs (B, L, d) giving the mixture's, where
+    scores (B, L, V') and outputs (B, L, d) giving the mixture's and the
+    token ids of its columns (with copies outside the draft vocabulary,
+    (B, L, V' + L) and each row's own (B, 1, V' + L)), where
     anchor ``s`` copies ``x_{m+2}`` of the positions ``m < s`` (model/pointer.py)."""
     layer, length = bundle.mtp, hidden.shape[1]
     if "pointer" not in layer:
         return None
     vocab = bundle.draft_vocab if "draft_vocab" in bundle else None
-    copies = vocab_index(vocab, model.args.vocab_size)[tokens[:, 2 : 2 + length]]
+    offered = np.array(tokens[:, 2 : 2 + length])
+    context = copy_context(offered, id_map(vocab, model.args.vocab_size))
+    ids = vocab  # or each row's own, with columns for copies outside the vocabulary
+    if layer.pointer.outside:
+        ids = draft_ids(vocab, model.args.vocab_size, mx.array(offered))[:, None]
     keys = layer.pointer.keys(layer.fuse(hidden, emb))
     valid = mx.arange(length)[None] < mx.arange(length)[:, None]
-    return lambda scores, g: layer.pointer.mix(scores, g, keys, valid, copies)
+    return lambda scores, g: (layer.pointer.mix(scores, g, keys, valid, context), ids)
 
 
 def targets(tokens: np.ndarray, starts, ends, length: int, k: int):
