@@ -146,10 +146,10 @@ class MTPDrafter:
         """None, or the copy head's mixture for this pass's depths: each copies
         ``x_{m+2}`` of the committed positions ``m`` before the anchor (the
         cache's last position), as training drafts (model/pointer.py)."""
-        n = self.cache.offset - 1  # positions with a token two on
-        if self.index is None or n < 1 or self.cache.copy_keys is None:
-            return None
-        keys, tokens = self.cache.copy_keys[:n], self.cache.tokens[1 : n + 1]
+        n, keys = self.cache.offset - 1, self.cache.copy_keys  # positions with a token two on
+        if self.index is None or n < 1 or keys is None or keys.shape[0] != n + 1:
+            return None  # (a cache another drafter filled: no keys for every position)
+        keys, tokens = keys[:n], self.cache.tokens[1 : n + 1]
         context = copy_context(np.array(tokens), self.index)
         valid = mx.ones((1, n), dtype=mx.bool_)
         ids = self.vocab

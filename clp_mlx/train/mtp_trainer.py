@@ -176,7 +176,9 @@ class MTPTrainer:
         side = bool(self.layer.side_layers)
         greedy = self.prompt_greedy if rows is None and self.cfg.prompt_targets else None
         rows = self.rows if rows is None else rows
-        copies = "pointer" in self.layer and ("outside" if self.layer.pointer.outside else "inside")
+        copies = ""
+        if "pointer" in self.layer:
+            copies = "outside" if self.layer.pointer.outside else "inside"
         return batch(rows, idx, self.cfg.depths, self.id_map, side, greedy, copies)
 
     def prompt_greedy(self, i: int) -> np.ndarray:
