@@ -17,8 +17,9 @@ import numpy as np
 
 from ..model import backbone
 from ..model.heads import Gate, ResBlock, gate_hidden_size
+from ..model.pointer import id_map
 from .fit import _fit_gate, fit_small
-from .mtp_data import Rows, id_map_of
+from .mtp_data import Rows
 from .rows_eval import chain_drafts, side_layers, targets
 
 MAX_ROWS = 160  # held-out rows read (a seeded sample): ~15k anchors of 96-token rows
@@ -72,7 +73,7 @@ def _fit_head0(model, bundle, h, after, seed: int, steps: int) -> float:
     vocabulary without one) against the row's t+1; its final loss."""
     vocab = bundle.draft_vocab if "draft_vocab" in bundle else None
     w = backbone.output_rows(model, vocab).astype(mx.float32)
-    mapped = after if vocab is None else id_map_of(np.array(vocab), bundle.config.vocab_size)[after]
+    mapped = id_map(None if vocab is None else np.array(vocab), bundle.config.vocab_size)[after]
     keep = mapped >= 0
     bundle.freeze()
     bundle.head0.unfreeze()

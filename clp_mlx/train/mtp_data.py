@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ClpError
-from ..model.pointer import copy_context, id_map
+from ..model.pointer import copy_context
 from .selfdistill_store import load_shard, shard_folders
 
 
@@ -149,6 +149,7 @@ def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray, side=Fal
         offered = np.where(after < ends[:, None], ahead, -1)
         out["context"] = copy_context(offered, id_map)
         out["offered"] = mx.array(offered.astype(np.int32))
+    if copies == "outside":  # the first position offering each token, per row
         first_offer = [{t: m for m, t in reversed(list(enumerate(row)))} for row in offered]
     size = int(id_map.max()) + 1  # the draft vocabulary's
     for j in range(1, depths + 1):
@@ -166,8 +167,3 @@ def batch(rows: Rows, idx: np.ndarray, depths: int, id_map: np.ndarray, side=Fal
         out[f"t{j}"] = mx.array(target.reshape(-1)[flat].astype(np.int32))
         out[f"all{j}"] = int(greedy.sum())
     return out
-
-
-def id_map_of(vocab_ids: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Token id -> draft-vocabulary index (-1: not in it)."""
-    return id_map(vocab_ids, vocab_size)

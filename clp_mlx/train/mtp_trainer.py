@@ -25,7 +25,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..model import backbone
 from ..model.heads_checks import CONTEXT_NGRAM
 from ..model.mtp_layer import FEED, MTPLayer
-from .mtp_data import Rows, batch, id_map_of
+from ..model.pointer import id_map
+from .mtp_data import Rows, batch
 from .trainer import load_checkpoint, part, save_checkpoint
 
 
@@ -67,7 +68,7 @@ class MTPTrainer:
     def __init__(self, model, layer: MTPLayer, rows: Rows, cfg: MTPTrainConfig, vocab_ids):
         self.model, self.layer, self.rows, self.cfg = model, layer, rows, cfg
         self.vocab_ids = np.asarray(vocab_ids)
-        self.id_map = id_map_of(self.vocab_ids, model.args.vocab_size)
+        self.id_map = id_map(self.vocab_ids, model.args.vocab_size)
         ids = mx.array(self.vocab_ids)
         self.w = backbone.output_rows(model, ids).astype(mx.float32)
         model.freeze()
