@@ -244,11 +244,17 @@ def test_random_config_values_load_or_are_refused(folder, tmp_path, key, value):
     assert model.args.vocab_size == 128 and isinstance(text, str)
 
 
-def test_the_data_script_without_arguments_is_one_usage_line():
-    script = Path(__file__).parents[1] / "examples" / "distill_all.sh"
+@pytest.mark.parametrize("name", ["distill_all.sh", "eval_folders.sh"])
+def test_the_data_scripts_meet_bad_arguments_with_one_line(name, tmp_path):
+    script = Path(__file__).parents[1] / "examples" / name
     got = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert got.returncode != 0 and got.stdout == ""
     assert got.stderr.count("\n") == 1
-    assert "usage: distill_all.sh WIKITEXT_DIR OUT_ROOT" in got.stderr
+    assert f"usage: {name} WIKITEXT_DIR OUT_ROOT" in got.stderr
     got = subprocess.run(["bash", str(script), "w", "o", "7b"], capture_output=True, text=True)
     assert got.returncode == 2 and got.stderr.count("\n") == 1 and "not '7b'" in got.stderr
+    if name == "eval_folders.sh":  # a folder without WikiText-2: refused before any model loads
+        got = subprocess.run(["bash", str(script), str(tmp_path), str(tmp_path / "o")],
+                             capture_output=True, text=True)  # fmt: skip
+        assert got.returncode == 2 and got.stderr == f"eval_folders.sh: no wiki.valid.raw in {tmp_path}\n"
+        assert not (tmp_path / "o").exists()
