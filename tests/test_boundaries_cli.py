@@ -256,5 +256,6 @@ def test_the_data_scripts_meet_bad_arguments_with_one_line(name, tmp_path):
     if name == "eval_folders.sh":  # a folder without WikiText-2: refused before any model loads
         got = subprocess.run(["bash", str(script), str(tmp_path), str(tmp_path / "o")],
                              capture_output=True, text=True)  # fmt: skip
-        assert got.returncode == 2 and got.stderr == f"eval_folders.sh: no wiki.valid.raw in {tmp_path}\n"
+        assert got.returncode == 2
+        assert got.stderr == f"eval_folders.sh: no wiki.valid.raw in {tmp_path}\n"
         assert not (tmp_path / "o").exists()
