@@ -2,7 +2,7 @@
 
     python examples/compare_drafters.py --model MODEL --drafters A [B ...] \\
         (--wikitext wiki.test.raw | --prompts FILE [FILE ...]) [-n 14] [-m 64] [--rounds 2] \\
-        [--every-depth] [--feed all|clp|cost] [--per-prompt]
+        [--every-depth] [--no-copies] [--every-match] [--feed all|clp|cost] [--per-prompt]
 
 Every prompt runs ``ar`` and greedy verify with each drafter (a drafter
 folder, or ``shipped``: the one made for the model), interleaved, the order
@@ -13,6 +13,10 @@ the last drafter's time compares with the first's. ``--every-depth`` also
 runs each drafter drafting every depth of its layer, without the depth rule
 (decode/feed.py: deeper_cannot_pay): the passes must be the same, and it
 prints how the rule's time compares and how often it stopped at each depth.
+``--no-copies`` also runs each drafter without context copies (``lookup``
+off): the MTP layer, or its copy head, drafts where the context repeats;
+``--every-match`` also runs each with copies from every match, even beside a
+copy head (decode/choose.py: COPY_HEAD_SHORTEST).
 ``--feed all`` feeds every draft (tokens a pass then measure the drafter
 alone, not the cost rule's choice); ``--per-prompt`` prints each prompt's
 tokens a pass for every drafter (free of this run's timing noise: the cost
@@ -46,6 +50,8 @@ p.add_argument("-n", type=int, default=14, help="prompts (default 14)")
 p.add_argument("-m", type=int, default=64, help="new tokens (default 64)")
 p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--every-depth", action="store_true", help="also time each without the depth rule")
+p.add_argument("--no-copies", action="store_true", help="also time each without context copies")
+p.add_argument("--every-match", action="store_true", help="also time each copying every match")
 p.add_argument("--feed", choices=FEEDS, default="cost", help="verify's feed rule")
 p.add_argument("--per-prompt", action="store_true", help="print each prompt's tokens a pass")
 args = p.parse_args()
@@ -86,19 +92,26 @@ def counted(model, config, k):
 
 
 def run(prompt, way):
-    """``way``: None (ar), or (drafter, with the depth rule or not)."""
-    drafter, rule = way or (None, True)
+    """``way``: None (ar), or (drafter, with the depth rule or not, copies: "" (as
+    decoding chooses), "no copies" or "every match")."""
+    drafter, rule, copies = way or (None, True, "")
     choose.depth_rule = counted if rule else (lambda *a: None)
+    choose.COPY_HEAD_SHORTEST = 1 if copies == "every match" else 0
     config = api.decode_config(
-        mode="ar" if drafter is None else "verify", max_tokens=args.m, feed=args.feed
+        mode="ar" if drafter is None else "verify",
+        max_tokens=args.m,
+        feed=args.feed,
+        lookup=False if copies == "no copies" else None,
     )
     tic = time.perf_counter()
     steps = list(decode(mx.array(prompt), model, drafters.get(drafter), config))
     return time.perf_counter() - tic, [t for s in steps for t in s.tokens], len(steps)
 
 
-ways = [None, *((d, True) for d in drafters)]
-ways += [(d, False) for d in drafters] if args.every_depth else []
+ways = [None, *((d, True, "") for d in drafters)]
+ways += [(d, False, "") for d in drafters] if args.every_depth else []
+ways += [(d, True, "no copies") for d in drafters] if args.no_copies else []
+ways += [(d, True, "every match") for d in drafters] if args.every_match else []
 for way in ways:
     run(prompts[0], way)  # warm
 stops.clear()
@@ -115,7 +128,9 @@ for r in range(args.rounds):
         assert all(t == out[None] for t in out.values()), f"prompt {i}: outputs differ"
         made[i] = len(out[None])
         for d in drafters if args.every_depth else ():
-            assert passes[d, True][i] == passes[d, False][i], f"prompt {i}: {d}: passes differ"
+            assert passes[d, True, ""][i] == passes[d, False, ""][i], (
+                f"prompt {i}: {d}: passes differ"
+            )
 med = {w: [st.median(t) for t in times[w]] for w in ways}
 tokens = sum(made)
 
@@ -127,7 +142,7 @@ def versus(a, b, what):
 
 
 def label(way):
-    return way[0] + ("" if way[1] else " (every depth)")
+    return way[0] + ("" if way[1] else " (every depth)") + (f" ({way[2]})" if way[2] else "")
 
 
 print(f"ar: {tokens / sum(med[None]):.2f} tokens/s, {len(prompts)} prompts, {args.rounds} rounds")
@@ -138,9 +153,12 @@ for way in ways[1:]:
           f"{tokens / sum(passes[way]):.2f} tokens a pass")  # fmt: skip
 first, last = args.drafters[0], args.drafters[-1]
 if first != last:
-    versus((first, True), (last, True), f"{last} over {first}")
+    versus((first, True, ""), (last, True, ""), f"{last} over {first}")
 for d in drafters if args.every_depth else ():
-    versus((d, False), (d, True), f"{d}: depth rule over every depth")
+    versus((d, False, ""), (d, True, ""), f"{d}: depth rule over every depth")
+for other in ("no copies", "every match"):
+    for d in drafters if getattr(args, other.replace(" ", "_")) else ():
+        versus((d, True, ""), (d, True, other), f"{d}: {other} over as decoding chooses")
 if args.per_prompt:
     print("tokens a pass per prompt:")
     for way in ways[1:]:

@@ -67,6 +67,18 @@ def test_copies_run_past_the_inner_drafters_depths():
     assert drafter.candidates(6, 1) == [[7, 7, 7]] and drafter.k == 6
 
 
+def test_beside_a_copy_head_short_matches_are_left_to_the_inner_drafter():
+    inner = Inner()
+    drafter = CopiesFirst(inner, [1, 2, 3, 4, 1, 2, 3, 8, 2, 3], shortest=3)
+    got = PassDrafts(None, None, None)
+    drafter.observe([6], got)  # "2 3 6" never came before, "3 6" neither: no match
+    drafter.observe([2, 3], got)  # "2 3" came before, "6 2 3" did not: a 2-token match
+    assert drafter.candidates(3, 1) == [[7, 7, 7]] and inner.drafted and not drafter.copying
+    drafter.observe([6, 2, 3], got)  # "6 2 3" came before: a 3-token match is copied
+    assert drafter.copying and not inner.drafted
+    assert drafter.candidates(3, 1) == [[6, 2, 3]] and inner.asked == 1
+
+
 @pytest.fixture(scope="module")
 def setup():
     model = tiny_model(0)
@@ -104,6 +116,7 @@ def test_verify_with_copies_and_the_layer_stays_greedy(setup):
     assert again == plain and calls and not any(calls)  # every step copied: the layer only followed
     alone = replace(api.decode_config(max_tokens=4), context_drafts=False).resolve(model, bundle)
     assert isinstance(make_drafter(model, bundle, alone, []), MTPDrafter)
+    assert make_drafter(model, bundle, config, []).shortest == 1  # no copy head: every match
 
 
 def test_copies_draft_further_than_the_layer_only_in_greedy_verify(setup):

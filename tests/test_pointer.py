@@ -9,7 +9,10 @@ import pytest
 from conftest import decode_pairs
 from mtp_helpers import attending_layer, train_argv, trained
 
+from clp_mlx import api
 from clp_mlx.cli.train_mtp import main as train_mtp
+from clp_mlx.decode.choose import make_drafter
+from clp_mlx.decode.copies_first import CopiesFirst
 from clp_mlx.decode.drafters import PassDrafts
 from clp_mlx.decode.layer_cache import LayerCache
 from clp_mlx.decode.mtp_drafter import MTPDrafter
@@ -113,6 +116,18 @@ def test_a_drafter_with_a_copy_head_saves_loads_and_verify_stays_greedy(tmp_path
     prompt = [5, 9, 17, 3, 77, 41, 5, 9, 17, 3]
     plain = list(decode_pairs(prompt, model, loaded, max_tokens=30, mode="ar"))
     fast = list(decode_pairs(prompt, model, loaded, max_tokens=30, mode="verify"))
+    assert [t for t, _ in fast] == [t for t, _ in plain]
+
+
+def test_beside_a_copy_head_context_copies_come_from_the_longest_matches_only():
+    model, bundle = copying_layer()
+    bundle.use_context(3)
+    config = api.decode_config(max_tokens=4).resolve(model, bundle)
+    drafter = make_drafter(model, bundle, config, [])
+    assert isinstance(drafter, CopiesFirst) and drafter.shortest == 3
+    prompt = [5, 9, 17, 3, 77, 41, 5, 9, 17, 3, 77, 5, 9]
+    plain = list(decode_pairs(prompt, model, bundle, max_tokens=30, mode="ar"))
+    fast = list(decode_pairs(prompt, model, bundle, max_tokens=30, mode="verify"))
     assert [t for t, _ in fast] == [t for t, _ in plain]
 
 

@@ -7,6 +7,10 @@ from .drafters import CopyDrafter, CopyThenHeads, Drafter, HeadsDrafter
 from .feed import depth_rule
 from .mtp_drafter import RUNNERS_UP, MTPDrafter
 
+# Beside a copy head, context copies only from matches this long (0: the
+# longest the lookup tries): the head copies shorter repeats better.
+COPY_HEAD_SHORTEST = 0
+
 
 def make_drafter(
     model, heads, config, tokens, width=1, start=0, layer=None, alternatives=False
@@ -24,7 +28,9 @@ def make_drafter(
         layer = MTPDrafter(model, heads, start, depth_rule(model, config, heads.k), layer, runners)
         if not config.context_drafts:
             return layer
-        return CopiesFirst(layer, tokens, heads.config.lookup, config.draft_len)
+        lookup = heads.config.lookup
+        shortest = (COPY_HEAD_SHORTEST or lookup) if "pointer" in heads.mtp else 1
+        return CopiesFirst(layer, tokens, lookup, config.draft_len, shortest)
     if config.context_drafts:
         return CopyThenHeads(HeadsDrafter(model, heads, width, in_pass=False), tokens)
     return HeadsDrafter(model, heads, width)

@@ -12,6 +12,11 @@ three depths cost about a tenth of a step.
 Copies may run further than the inner drafter's depths (``k``): a repeat
 often goes on for longer than the layer's three drafts, and the odds learnt
 per match length tell the feed rule how far to trust it.
+
+A layer with a copy head (model/pointer.py) copies short repeats better than
+lookup does, having learnt which earlier position to copy from; then copies
+are drafted only from matches of at least ``shortest`` tokens, and the layer
+drafts elsewhere (docs/EXPERIMENTS.md, "Context copies beside a copy head").
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from .drafters import CopyDrafter
 class CopiesFirst:
     in_pass = False  # copies need the committed tokens: drafts come after the pass
 
-    def __init__(self, inner, tokens: list[int], max_ngram: int = 3, k: int = 0):
-        """``k``: copies' drafts a step at most (0: the inner drafter's ``k``)."""
+    def __init__(self, inner, tokens: list[int], max_ngram: int = 3, k: int = 0, shortest: int = 1):
+        """``k``: copies' drafts a step at most (0: the inner drafter's ``k``);
+        ``shortest``: the fewest matched tokens a copy is drafted from."""
         self.inner, self.k = inner, max(k, inner.k)
         self.copies = CopyDrafter(k or inner.k, tokens, max_ngram)
+        self.shortest = shortest
+        self.copying = False  # whether this step drafts a copy (set by observe)
 
     def at(self, hidden, choices, accepted):
         return self.inner.at(hidden, choices, accepted)
@@ -39,25 +47,26 @@ class CopiesFirst:
 
     def observe(self, committed, got) -> list[float]:
         odds = self.copies.observe(committed, got)
-        if self.copies.matched:
+        self.copying = self.copies.match >= max(self.shortest, 1)
+        if self.copying:
             self.inner.observe(committed, got, draft=False)
             return odds
         return self.inner.observe(committed, got)
 
     def can_branch(self) -> bool:
-        return self.copies.matched or self.inner.can_branch()
+        return self.copying or self.inner.can_branch()
 
     def alternatives(self) -> list:
-        return [] if self.copies.matched else self.inner.alternatives()
+        return [] if self.copying else self.inner.alternatives()
 
     # A step asks for at most the copies' k (its draft_len); the inner drafter may have fewer.
     def candidates(self, depth: int, count: int) -> list[list[int]]:
-        if self.copies.matched:
+        if self.copying:
             return self.copies.candidates(depth, count)
         return self.inner.candidates(min(depth, self.inner.k), count)
 
     def proposal(self, depth, sampler):
-        if self.copies.matched:
+        if self.copying:
             return self.copies.proposal(depth, sampler)
         return self.inner.proposal(min(depth, self.inner.k), sampler)
 

@@ -245,6 +245,11 @@ class CopyDrafter:
         """Whether the context matched at the last :meth:`observe`."""
         return self._match > 0
 
+    @property
+    def match(self) -> int:
+        """How many tokens the context matched at the last :meth:`observe` (0: none)."""
+        return self._match
+
     def can_branch(self) -> bool:
         return self.matched
 
