@@ -156,8 +156,8 @@ if first != last:
     versus((first, True, ""), (last, True, ""), f"{last} over {first}")
 for d in drafters if args.every_depth else ():
     versus((d, False, ""), (d, True, ""), f"{d}: depth rule over every depth")
-for other in ("no copies", "every match"):
-    for d in drafters if getattr(args, other.replace(" ", "_")) else ():
+for other, asked in (("no copies", args.no_copies), ("every match", args.every_match)):
+    for d in drafters if asked else ():
         versus((d, True, ""), (d, True, other), f"{d}: {other} over as decoding chooses")
 if args.per_prompt:
     print("tokens a pass per prompt:")

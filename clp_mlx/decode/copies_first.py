@@ -32,8 +32,7 @@ class CopiesFirst:
         ``shortest``: the fewest matched tokens a copy is drafted from."""
         self.inner, self.k = inner, max(k, inner.k)
         self.copies = CopyDrafter(k or inner.k, tokens, max_ngram)
-        self.shortest = shortest
-        self.copying = False  # whether this step drafts a copy (set by observe)
+        self.shortest = max(shortest, 1)
 
     def at(self, hidden, choices, accepted):
         return self.inner.at(hidden, choices, accepted)
@@ -47,11 +46,15 @@ class CopiesFirst:
 
     def observe(self, committed, got) -> list[float]:
         odds = self.copies.observe(committed, got)
-        self.copying = self.copies.match >= max(self.shortest, 1)
         if self.copying:
             self.inner.observe(committed, got, draft=False)
             return odds
         return self.inner.observe(committed, got)
+
+    @property
+    def copying(self) -> bool:
+        """Whether this step drafts a copy: the last observe found a long enough match."""
+        return self.copies.match >= self.shortest
 
     def can_branch(self) -> bool:
         return self.copying or self.inner.can_branch()
