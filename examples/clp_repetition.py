@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from clp_mlx import api
 from clp_mlx.bench.measures import common_prefix, repetition_ratio
-from clp_mlx.bench.prompts import encode_prompts, instruction_prompts, wikitext_prompts
+from clp_mlx.bench.prompts import bench_texts, encode_prompts
 from clp_mlx.decode.loop import decode
 from clp_mlx.errors import ClpError
 from clp_mlx.model.heads_files import find_heads, load_heads
@@ -51,13 +51,7 @@ try:
     if "shipped" in args.drafters and shipped is None:
         raise ClpError(f"no drafter is made for {args.model}: name a folder")
     drafters = {d: load_heads(shipped if d == "shipped" else d, model) for d in args.drafters}
-    if args.wikitext:
-        texts, kind = wikitext_prompts(args.wikitext, args.n), "wikitext"
-    else:
-        texts, kind = (
-            [t for f in args.prompts for t in instruction_prompts(f)][: args.n],
-            "instruction",
-        )
+    texts, kind = bench_texts(args.wikitext, args.prompts, args.n)
     prompts, _ = encode_prompts(tokenizer, texts, kind)
 except ClpError as e:
     sys.exit(f"clp_repetition.py: {e}")

@@ -33,7 +33,7 @@ import clp_mlx  # noqa: F401  (loads OpenBLAS before MLX)
 import mlx.core as mx
 
 from clp_mlx import api
-from clp_mlx.bench.prompts import encode_prompts, instruction_prompts, wikitext_prompts
+from clp_mlx.bench.prompts import bench_texts, encode_prompts
 from clp_mlx.decode import choose
 from clp_mlx.decode.config import FEEDS
 from clp_mlx.decode.loop import decode
@@ -66,11 +66,7 @@ try:
     drafters = {d: load_heads(n, model) for d, n in zip(args.drafters, names)}
     if args.every_depth and any(h.config.design != "mtp" for h in drafters.values()):
         raise ClpError("--every-depth times an MTP layer's depth rule; a drafter given has none")
-    if args.wikitext:
-        texts, kind = wikitext_prompts(args.wikitext, args.n), "wikitext"
-    else:
-        texts = [t for f in args.prompts for t in instruction_prompts(f)][: args.n]
-        kind = "instruction"
+    texts, kind = bench_texts(args.wikitext, args.prompts, args.n)
     prompts, _ = encode_prompts(tokenizer, texts, kind)
 except ClpError as e:
     sys.exit(f"compare_drafters.py: {e}")

@@ -93,6 +93,14 @@ def instruction_prompts(path: str, n: int | None = None) -> list[str]:
     return prompts[:n] if n is not None else prompts
 
 
+def bench_texts(wikitext: str | None, files: list[str] | None, n: int) -> tuple[list[str], str]:
+    """The first ``n`` prompts and their kind: WikiText-2 openings of ``wikitext``
+    if given, else the instructions of ``files``, one file after another."""
+    if wikitext:
+        return wikitext_prompts(wikitext, n), "wikitext"
+    return [t for f in files for t in instruction_prompts(f)][:n], "instruction"
+
+
 def has_chat_template(tokenizer) -> bool:
     flag = getattr(tokenizer, "has_chat_template", None)  # mlx-lm's wrapper says so
     if flag is not None:

@@ -40,8 +40,8 @@ from ..bench.methods import DEFAULT_MODES, METHODS, method_config, needs_heads
 from ..bench.run import bench
 from ..bench.prompts import (
     CHAT_TEMPLATE_CHOICES,
+    bench_texts,
     encode_prompts,
-    instruction_prompts,
     wikitext_prompts,
 )
 from ..bench.report import environment, markdown, plots, weights_dtype, write_json
@@ -187,12 +187,8 @@ def _one_model(args, spec, texts, kind, draft) -> dict:
 
 def main(argv=None) -> int:
     args = settings(argv)
-    if args.wikitext:
-        kind, source = "wikitext", args.wikitext
-        texts = wikitext_prompts(args.wikitext, args.num_prompts)
-    else:
-        kind, source = "instruction", ", ".join(args.prompts)
-        texts = [t for f in args.prompts for t in instruction_prompts(f)][: args.num_prompts]
+    texts, kind = bench_texts(args.wikitext, args.prompts, args.num_prompts)
+    source = args.wikitext or ", ".join(args.prompts)
     import mlx.core as mx
 
     from ..api import load_with_drafter as load
