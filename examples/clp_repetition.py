@@ -100,7 +100,10 @@ for (d, q), outs in outputs.items():
     left = [common_prefix(t, g) for t, g in zip(outs, greedy)]
     counts = [repeated_past(t, s) for t, s in zip(outs, left)]
     excess = sorted((max(r - b, 0) for r, b in zip(rep, base)), reverse=True)
-    half = next((i + 1 for i in range(len(excess)) if sum(excess[: i + 1]) >= sum(excess) / 2), 0)
+    total = sum(excess)  # prompts, most first, until they hold half of it (0: no excess)
+    half = next(
+        (i + 1 for i in range(len(excess)) if total and sum(excess[: i + 1]) >= total / 2), 0
+    )
     new_loops = sum(loops(t) and not loops(g) for t, g in zip(outs, greedy))
     print(f"{d} clp{'' if q is None else f'@{q}'}: repetition {st.mean(rep):.4f} "
           f"(+{st.mean(rep) - st.mean(base):.4f}); {sum(t == g for t, g in zip(outs, greedy))} "
