@@ -54,6 +54,8 @@ HELP = {
     "pointer_only": "with --pointer and --init-from: train the copy head alone, the layer "
     "kept as it is",
     "pointer_outside": "with --pointer: it also copies tokens outside the draft vocabulary",
+    "noise": "training steps read each backbone state plus uniform noise of up to this "
+    "share of its RMS (EAGLE's feature noise: against learning rows by heart; 0: none)",
 }
 FLAGS = tuple(HELP)
 
@@ -95,8 +97,8 @@ def main(argv=None) -> int:
             raise ClpError(f"--{name.replace('_', '-')} must be 1 or more")
     if not 0 < cfg.lr < 1 or not 0 < cfg.decay <= 1 or cfg.mlp_size < 0 or cfg.warmup < 0:
         raise ClpError("--lr must be in (0, 1), --decay in (0, 1], --mlp-size and --warmup >= 0")
-    if not 0 <= cfg.soft <= 1:
-        raise ClpError("--soft must be in [0, 1]")
+    if not 0 <= cfg.soft <= 1 or not 0 <= cfg.noise <= 1:
+        raise ClpError("--soft and --noise must be in [0, 1]")
     if not 0 <= cfg.side_lr < 1 or (cfg.side_lr and not cfg.side):
         raise ClpError("--side-lr must be in [0, 1), and given only with --side")
     if cfg.pointer < 0 or not 0 <= cfg.pointer_lr < 1 or (cfg.pointer_lr and not cfg.pointer):

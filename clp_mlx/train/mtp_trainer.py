@@ -54,13 +54,14 @@ class MTPTrainConfig:
     pointer_lr: float = 0.0  # its peak learning rate (0: lr)
     pointer_only: bool = False  # train the copy head alone, the layer as it starts
     pointer_outside: bool = False  # it also copies tokens outside the draft vocabulary
+    noise: float = 0.0  # training steps read states + U(-noise, noise) x each state's RMS
 
 
 # Settings added since checkpoints recorded ``feed``: one without them was made
 # with these values. (One without ``feed`` read another input: never resumed.)
 ADDED = {"init_from": "", "keep_vocab": False, "group_by_length": False, "side": False,
          "prompt_targets": False, "side_lr": 0.0, "pointer": 0, "pointer_lr": 0.0,
-         "pointer_only": False, "pointer_outside": False}  # fmt: skip
+         "pointer_only": False, "pointer_outside": False, "noise": 0.0}  # fmt: skip
 GROUP_BATCHES = 16  # with group_by_length: rows a group, in batches
 
 
@@ -125,7 +126,7 @@ class MTPTrainer:
                 logits, aux = self._with_copies(logits, g, at, keys, b, b[f"t{j}"])
             ce = nn.losses.cross_entropy(logits, y, reduction="sum") + aux
             if soft:  # the backbone's distribution where it chose y: its state one position on
-                h = b["h"][:, b["first"] :, :width].reshape(-1, width)
+                h = b.get("clean", b["h"])[:, b["first"] :, :width].reshape(-1, width)
                 teacher = mx.softmax(h[at + j] @ self.w.T, axis=-1)
                 extra = logits.shape[-1] - teacher.shape[-1]  # a copy head's columns
                 teacher = mx.pad(teacher, [(0, 0), (0, extra)]) if extra else teacher
@@ -194,6 +195,10 @@ class MTPTrainer:
 
     def train_step(self) -> tuple[float, list[float]]:
         b = self.batch(self.batch_rows(self.step))
+        if self.cfg.noise:  # the soft target stays the clean states'
+            key = mx.random.key(self.cfg.seed * 1_000_003 + self.step)
+            b["clean"] = b["h"]
+            b["h"] = noisy(b["h"], self.cfg.noise, self.model.args.hidden_size, key)
         (loss, hits), grads = self._grad(b)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         self.opt.update(self.layer, grads)
@@ -238,6 +243,18 @@ class MTPTrainer:
         self.opt.state = tree_unflatten(part(arrays, "opt"))
         self.step, self.history = meta["step"], meta["history"]
         return True
+
+
+def noisy(h: mx.array, amount: float, width: int, key) -> mx.array:
+    """``h`` (B, L, n * width: the last layer's states, then the side
+    layers') with uniform noise in (-amount, amount) times each state's RMS
+    added, as EAGLE's training adds noise to the target's features: the
+    layer cannot learn a row by the exact values of its states."""
+    b, length, wide = h.shape
+    x = h.reshape(b, length, wide // width, width).astype(mx.float32)
+    scale = mx.sqrt(mx.mean(x * x, axis=-1, keepdims=True))
+    u = mx.random.uniform(-amount, amount, x.shape, key=key)
+    return (x + u * scale).astype(h.dtype).reshape(b, length, wide)
 
 
 def to_bundle(trainer: MTPTrainer, name: str = ""):
