@@ -56,6 +56,8 @@ HELP = {
     "pointer_outside": "with --pointer: it also copies tokens outside the draft vocabulary",
     "noise": "training steps read each backbone state plus uniform noise of up to this "
     "share of its RMS (EAGLE's feature noise: against learning rows by heart; 0: none)",
+    "passes": "read the rows in passes, every row once a pass, in a seeded order "
+    "(else each step's rows are drawn at random, and some come round before others are read)",
 }
 FLAGS = tuple(HELP)
 

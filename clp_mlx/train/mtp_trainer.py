@@ -55,13 +55,14 @@ class MTPTrainConfig:
     pointer_only: bool = False  # train the copy head alone, the layer as it starts
     pointer_outside: bool = False  # it also copies tokens outside the draft vocabulary
     noise: float = 0.0  # training steps read states + U(-noise, noise) x each state's RMS
+    passes: bool = False  # rows come in passes, each row once a pass (else drawn at random)
 
 
 # Settings added since checkpoints recorded ``feed``: one without them was made
 # with these values. (One without ``feed`` read another input: never resumed.)
 ADDED = {"init_from": "", "keep_vocab": False, "group_by_length": False, "side": False,
          "prompt_targets": False, "side_lr": 0.0, "pointer": 0, "pointer_lr": 0.0,
-         "pointer_only": False, "pointer_outside": False, "noise": 0.0}  # fmt: skip
+         "pointer_only": False, "pointer_outside": False, "noise": 0.0, "passes": False}  # fmt: skip
 GROUP_BATCHES = 16  # with group_by_length: rows a group, in batches
 
 
@@ -86,7 +87,7 @@ class MTPTrainer:
             rest = [self.optimizer(lr) for lr, _ in own] + [self.opt]
             self.opt = optim.MultiOptimizer(rest, [which for _, which in own])
         self.step, self.history = 0, []
-        self.groups, self.targets = None, 0.0
+        self.groups, self.targets, self._pass = None, 0.0, (-1, [])
         if cfg.group_by_length:  # each depth's loss: a sum over a batch's targets / their mean
             self.groups = rows.length_groups(GROUP_BATCHES * cfg.batch, cfg.seed)
             self.targets = cfg.batch * rows.positions(cfg.prompt_targets) / len(rows)
@@ -163,12 +164,28 @@ class MTPTrainer:
         """The rows of step ``step``: drawn from all rows, or (group_by_length)
         from one group, chosen in proportion to its size, so that every row is
         as likely as without groups while a batch pads far fewer positions."""
+        if self.cfg.passes:
+            return self.pass_batches(step)
         rng = np.random.default_rng([self.cfg.seed, step])
         if self.groups is None:
             return rng.integers(0, len(self.rows), self.cfg.batch)
         sizes = np.array([len(g) for g in self.groups], dtype=np.float64)
         group = self.groups[rng.choice(len(sizes), p=sizes / sizes.sum())]
         return group[rng.integers(0, len(group), self.cfg.batch)]
+
+    def pass_batches(self, step: int) -> np.ndarray:
+        """With ``passes``: the rows of step ``step``. A pass reads every row
+        once: each group's rows (all rows, without groups) in a seeded order,
+        cut into batches of at most ``batch``, the batches in a seeded order."""
+        groups = self.groups or [np.arange(len(self.rows))]
+        per_pass = sum(-(-len(g) // self.cfg.batch) for g in groups)
+        k, i = divmod(step, per_pass)
+        if self._pass[0] != k:
+            rng = np.random.default_rng([self.cfg.seed, k, 1])
+            cut = [np.array_split(rng.permutation(g), -(-len(g) // self.cfg.batch)) for g in groups]
+            batches = [b for c in cut for b in c]
+            self._pass = (k, [batches[j] for j in rng.permutation(len(batches))])
+        return self._pass[1][i]
 
     def batch(self, idx: np.ndarray, rows: Rows | None = None) -> dict:
         """Rows ``idx`` of ``rows`` (the training rows) as a batch, with the
