@@ -4,7 +4,7 @@ same batches; without it each step's rows are drawn at random."""
 
 import numpy as np
 import pytest
-from mtp_helpers import distilled
+from mtp_helpers import distilled, train_argv
 
 from clp_mlx.cli.train_mtp import _trainer, main, setup_arg_parser
 from clp_mlx.errors import ClpError
@@ -17,9 +17,7 @@ def root(tmp_path_factory):
 
 
 def argv(root, out, *extra):
-    return ["--model", str(root / "tiny"), "--data", str(root / "data"), "--out", str(root / out),
-            "--steps", "4", "--batch", "4", "--depths", "2", "--mlp-size", "32",
-            "--draft-vocab", "64", "--warmup", "2", "--checkpoint-every", "2", "--quiet", *extra]  # fmt: skip
+    return train_argv(root, out, "--batch", "4", *extra, steps=4)
 
 
 def trainer(root, *extra):
