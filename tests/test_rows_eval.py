@@ -113,7 +113,7 @@ def test_wrong_drafts_walk_one_token_and_copies_help(monkeypatch):
 
 def test_the_early_walk_reads_only_a_rows_first_tokens(monkeypatch):
     """Drafts right only from the 33rd token on: the whole row walks faster,
-    its first 32 tokens one token a pass."""
+    its first 32 tokens one token a pass, none of their drafts accepted."""
 
     def late(model, bundle, hidden, tokens):
         drafts, _ = oracle(model, bundle, hidden, tokens)
@@ -124,6 +124,8 @@ def test_the_early_walk_reads_only_a_rows_first_tokens(monkeypatch):
     report = rows_eval.evaluate_rows(None, Stub, Known([list(range(10, 74))]), lookup=1)
     assert report["walked_tokens_per_pass_first_32"] == 1.0
     assert report["walked_tokens_per_pass"] > 1.5
+    assert set(report["accepted_by_depth_first_32"].values()) == {0.0}
+    assert report["accepted_by_depth"]["t+4"] > 0.3
     assert report["walked_with_copies_first_32"] == 1.0  # nothing repeats: no copies
 
 

@@ -107,17 +107,18 @@ def evaluate_rows(
 ) -> dict:
     """The report on ``rows``: per depth, how often the draft is right alone
     and with the ones before it, and chain verify's tokens per pass walking
-    every row as decoding does, and its first ``EARLY`` tokens alone (with
-    ``lookup``: also with context copies
-    where the context has a match, as verify drafts: ``CopyThenHeads``,
-    ``CopiesFirst``); and clp mode's tokens a pass and share of passes that
-    commit a wrong draft, at CLP's most likely run and at thresholds.
+    every row as decoding does; the acceptance and the walk also over each
+    row's first ``EARLY`` anchors alone, where text is least repetitive (with
+    ``lookup``: also with context copies where the context has a match, as
+    verify drafts: ``CopyThenHeads``, ``CopiesFirst``); and clp mode's tokens
+    a pass and share of passes that commit a wrong draft, at CLP's most likely
+    run and at thresholds.
     ``by_confidence``: also t+2 by the backbone's own chance of its token
     there, and how many misses the row had shown before (:func:`_by_confidence`)."""
     k, side = bundle.k, side_layers(bundle, rows)
     binned = {"chance": [], "right": [], "in_row": []}
     hits = positions = 0
-    runs_in, decided = [], {t: [] for t in THRESHOLDS}
+    runs_in, early_in, decided = [], [], {t: [] for t in THRESHOLDS}
     walks = {"drafter": [], "with_copies": []}
     for start in range(0, len(rows), batch_rows):
         idx = np.arange(start, min(len(rows), start + batch_rows))
@@ -135,6 +136,7 @@ def evaluate_rows(
             positions += int(inside[r, span, 0].sum())
             inner = slice(starts[r] - 1, ends[r] - 1 - k)  # every depth inside
             runs_in.append(runs[r, inner])
+            early_in.append(runs[r, inner][:EARLY])
             for t, n in counts.items():
                 decided[t].append(n[r, inner])
             walks["drafter"].append(runs[r, span])
@@ -149,7 +151,7 @@ def evaluate_rows(
             walks["with_copies"] += _with_copies(
                 drafts, copied, match, target, inside, starts, ends
             )
-    run = np.concatenate(runs_in)
+    run, early = np.concatenate(runs_in), np.concatenate(early_in)
     accepted = [float((run > j).mean()) for j in range(k)]
     out = {
         "rows": len(rows),
@@ -159,6 +161,9 @@ def evaluate_rows(
         "conditional_by_depth": {
             f"t+{j + 2}": round(a / max(b, 1e-9), 4)
             for j, (a, b) in enumerate(zip(accepted, [1.0, *accepted]))
+        },
+        f"accepted_by_depth_first_{EARLY}": {
+            f"t+{j + 2}": round(float((early > j).mean()), 4) for j in range(k)
         },
     }
     for name, runs in walks.items():
