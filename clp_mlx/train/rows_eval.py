@@ -151,20 +151,17 @@ def evaluate_rows(
             walks["with_copies"] += _with_copies(
                 drafts, copied, match, target, inside, starts, ends
             )
-    run, early = np.concatenate(runs_in), np.concatenate(early_in)
-    accepted = [float((run > j).mean()) for j in range(k)]
+    run = np.concatenate(runs_in)
+    accepted = _accepted(run, k)
     out = {
         "rows": len(rows),
         "positions": positions,
         "agreement_t+2": round(hits / max(1, positions), 4),
-        "accepted_by_depth": {f"t+{j + 2}": round(a, 4) for j, a in enumerate(accepted)},
-        "conditional_by_depth": {
-            f"t+{j + 2}": round(a / max(b, 1e-9), 4)
-            for j, (a, b) in enumerate(zip(accepted, [1.0, *accepted]))
-        },
-        f"accepted_by_depth_first_{EARLY}": {
-            f"t+{j + 2}": round(float((early > j).mean()), 4) for j in range(k)
-        },
+        "accepted_by_depth": _by_depth(accepted),
+        "conditional_by_depth": _by_depth(
+            a / max(b, 1e-9) for a, b in zip(accepted, [1.0, *accepted])
+        ),
+        f"accepted_by_depth_first_{EARLY}": _by_depth(_accepted(np.concatenate(early_in), k)),
     }
     for name, runs in walks.items():
         if name == "drafter" or lookup:
@@ -225,6 +222,15 @@ def _by_confidence(chance, right, in_row) -> dict:
 # answer (the bench's) sees.
 EARLY = 32
 THRESHOLDS = (None, 0.7, 0.8, 0.9)  # CLP's most likely run, or the longest this likely
+
+
+def _accepted(run: np.ndarray, k: int) -> list[float]:
+    """Per depth, the share of anchors whose accepted run reaches it."""
+    return [float((run > j).mean()) for j in range(k)]
+
+
+def _by_depth(values) -> dict:
+    return {f"t+{j + 2}": round(v, 4) for j, v in enumerate(values)}
 
 
 def _name(threshold) -> str:
