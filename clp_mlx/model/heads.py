@@ -109,8 +109,10 @@ class DraftSlice:
 
 
 def gate_hidden_size(dims: int, k: int) -> int:
-    """Width that brings the gate to about 1M parameters."""
-    return max(1, round((GATE_PARAMS - k) / (dims + 1 + k)))
+    """Width that brings the gate to about 1M parameters, at most 4x ``dims``
+    (a transformer MLP's ratio). Every Qwen2.5 (896 wide and up) gets its 1M;
+    the cap keeps a test's tiny model from a gate 200 times its own width."""
+    return max(1, min(4 * dims, round((GATE_PARAMS - k) / (dims + 1 + k))))
 
 
 @dataclass
