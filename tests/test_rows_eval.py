@@ -111,6 +111,24 @@ def test_wrong_drafts_walk_one_token_and_copies_help(monkeypatch):
     assert report["clp_mode"]["p>=0.9"] == {"tokens_per_pass": 2.0, "wrong_commit_share": 1.0}
 
 
+def test_beside_a_copy_head_only_the_longest_matches_are_copied(monkeypatch):
+    """As decoding (``copy_shortest``): a drafter with a copy head drafts
+    after short matches itself, so fewer of the row's repeats are copied."""
+    monkeypatch.setattr(
+        rows_eval, "chain_drafts",
+        lambda m, b, h, t: (np.full((*h.shape[:2], 3), 99), sure_of(1, h.shape[:2])),
+    )  # fmt: skip
+
+    class WithCopyHead(Stub):
+        mtp = {"pointer": None}
+
+    rows = Known([[10, 11, 12, 13] * 5])
+    every = rows_eval.evaluate_rows(None, Stub, rows, lookup=3)["walked_with_copies"]
+    longest = rows_eval.evaluate_rows(None, WithCopyHead, rows, lookup=3)["walked_with_copies"]
+    assert every > longest > 1.0
+    assert rows_eval.evaluate_rows(None, WithCopyHead, rows, lookup=1)["walked_with_copies"] == every
+
+
 def test_the_early_walk_reads_only_a_rows_first_tokens(monkeypatch):
     """Drafts right only from the 33rd token on: the whole row walks faster,
     its first 32 tokens one token a pass, none of their drafts accepted."""

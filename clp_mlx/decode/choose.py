@@ -12,6 +12,15 @@ from .mtp_drafter import RUNNERS_UP, MTPDrafter
 COPY_HEAD_SHORTEST = 0
 
 
+def copy_shortest(heads, lookup: int) -> int:
+    """The fewest matched tokens a context copy is drafted from, in the
+    drafter's place: every match, or beside a copy head only the longest."""
+    layer = getattr(heads, "mtp", None)
+    if layer is not None and "pointer" in layer:
+        return COPY_HEAD_SHORTEST or lookup
+    return 1
+
+
 def make_drafter(
     model, heads, config, tokens, width=1, start=0, layer=None, alternatives=False
 ) -> Drafter | None:
@@ -29,7 +38,7 @@ def make_drafter(
         if not config.context_drafts:
             return layer
         lookup = heads.config.lookup
-        shortest = (COPY_HEAD_SHORTEST or lookup) if "pointer" in heads.mtp else 1
+        shortest = copy_shortest(heads, lookup)
         return CopiesFirst(layer, tokens, lookup, config.draft_len, shortest)
     if config.context_drafts:
         return CopyThenHeads(HeadsDrafter(model, heads, width, in_pass=False), tokens)
