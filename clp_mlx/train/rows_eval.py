@@ -110,9 +110,9 @@ def evaluate_rows(
     and with the ones before it, and chain verify's tokens per pass walking
     every row as decoding does; the acceptance and the walk also over each
     row's first ``EARLY`` anchors alone, where text is least repetitive (with
-    ``lookup``: also with context copies where the context has a match as long
-    as decoding copies from, ``copy_shortest``, as verify drafts: ``CopyThenHeads``,
-    ``CopiesFirst``; cut at ``k`` tokens here); and clp mode's tokens
+    ``lookup``: also with context copies where verify drafts them, after
+    matches of at least ``copy_shortest`` tokens (``CopyThenHeads``,
+    ``CopiesFirst``), cut at ``k`` tokens here); and clp mode's tokens
     a pass and share of passes that commit a wrong draft, at CLP's most likely
     run and at thresholds.
     ``by_confidence``: also t+2 by the backbone's own chance of its token
@@ -122,6 +122,7 @@ def evaluate_rows(
     hits = positions = 0
     runs_in, early_in, decided = [], [], {t: [] for t in THRESHOLDS}
     walks = {"drafter": [], "with_copies": []}
+    shortest = copy_shortest(bundle, lookup) if lookup else 0
     for start in range(0, len(rows), batch_rows):
         idx = np.arange(start, min(len(rows), start + batch_rows))
         hidden, tokens, starts, ends = rows.gather(idx, k, bool(side))
@@ -132,7 +133,7 @@ def evaluate_rows(
         runs = np.cumprod(right, axis=-1).sum(-1)  # (B, L)
         if lookup:
             copied, match = row_drafts(tokens, _anchors(tokens, starts, ends), k, lookup)
-            match = np.where(match >= copy_shortest(bundle, lookup), match, 0)
+            match = np.where(match >= shortest, match, 0)
         for r in range(len(idx)):
             span = slice(starts[r] - 1, ends[r] - 1)  # anchors whose t+1 is a greedy token
             hits += int(right[r, span, 0].sum())
