@@ -192,13 +192,13 @@ def draft_chance(scores: mx.array, temperature: float = 1.0) -> mx.array:
 
 
 def runners_up(scores: mx.array, ids, temperature: float, count: int):
-    """The ``count`` tokens after the best of ``scores`` (over the draft
-    vocabulary; ``ids`` its token ids, None: the whole vocabulary) and their
-    chances at ``temperature`` (lazy). The best is among them when tied."""
+    """The ``count`` tokens after the best of ``scores`` (last axis, over the
+    draft vocabulary; ``ids`` its token ids, None: the whole vocabulary) and
+    their chances at ``temperature`` (lazy). The best is among them when tied."""
     s = scores.astype(mx.float32) / temperature
     count = min(count, s.shape[-1] - 1)  # a draft vocabulary may be tiny
-    top = mx.argpartition(-s, count)[: count + 1]
-    chances = mx.exp(s[top] - mx.logsumexp(s))
+    top = mx.argpartition(-s, count, axis=-1)[..., : count + 1]
+    chances = mx.exp(mx.take_along_axis(s, top, axis=-1) - mx.logsumexp(s, -1, keepdims=True))
     return (top if ids is None else ids[top]), chances
 
 

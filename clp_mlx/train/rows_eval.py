@@ -19,21 +19,23 @@ import numpy as np
 
 from ..decode.choose import copy_shortest
 from ..decode.lookup import row_drafts
-from ..decode.mtp_drafter import draft_chance, run_scores, temperatures
+from ..decode.mtp_drafter import RUNNERS_UP, draft_chance, run_scores, runners_up, temperatures
 from ..errors import ClpError
 from ..model import backbone
 from ..model.heads import accept_count
 from ..model.pointer import copy_context, draft_ids, id_map
+from .fed_walk import fed_steps, summary
 from .mtp_data import Rows
 from .trainer import walked_tokens_per_pass
 
 
-def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array, seen: list | None = None):
+def chain_drafts(model, bundle, hidden, tokens, seen: list | None = None, others=None):
     """Drafts (B, L, k) at every anchor of ``hidden`` (B, L, d), and CLP's
     scores (B, L, k + 1) over accepting 0..k of them; ``tokens``
     (B, >= L + k + 1) are the rows' tokens. The MTP layer's CLP is its own
     chance of each run (:func:`run_scores`), from each depth's probability
-    of its draft; ``seen`` (a list) gets each depth's scores (B, L, V')."""
+    of its draft; ``seen`` (a list) gets each depth's scores (B, L, V'),
+    ``others`` its best ``RUNNERS_UP`` + 1 token ids and chances (B, L, R + 1)."""
     k, (rows, length, width) = bundle.k, hidden.shape
     if bundle.config.design == "mtp":
         layer, ids, probs, temps = bundle.mtp, [], [], temperatures(bundle)
@@ -46,11 +48,10 @@ def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array, seen: list |
                 scores, vocab = copy(scores, g)
             if seen is not None:
                 seen.append(scores.astype(mx.float32))
-            best = mx.argmax(scores, axis=-1)
-            if vocab is not None and vocab.ndim > 1:  # each row's own columns
-                ids.append(mx.take_along_axis(vocab, best[..., None], axis=-1)[..., 0])
-            else:
-                ids.append(best if vocab is None else vocab[best])
+            if others is not None:  # as decoding's runners-up: decode/mtp_drafter.py
+                top, chances = runners_up(scores, None, temps[len(probs)], RUNNERS_UP)
+                others.append((_ids(vocab, top), chances))
+            ids.append(_ids(vocab, mx.argmax(scores, axis=-1, keepdims=True))[..., 0])
             probs.append(draft_chance(scores, temps[len(probs)]))
             return backbone.embed(model, ids[-1].astype(mx.uint32))
 
@@ -61,6 +62,16 @@ def chain_drafts(model, bundle, hidden: mx.array, tokens: mx.array, seen: list |
     drafts, _ = bundle.draft(model, flat, after)
     clp = bundle.clp_logits(flat).astype(mx.float32)
     return np.array(drafts).reshape(rows, length, k), np.array(clp).reshape(rows, length, k + 1)
+
+
+def _ids(vocab, columns: mx.array) -> mx.array:
+    """The token ids of draft-score ``columns`` (B, L, n): ``vocab`` None (the
+    columns are ids), its ids (V') or each row's own (B, 1, V' + L)."""
+    if vocab is None:
+        return columns
+    if vocab.ndim > 1:
+        return mx.take_along_axis(vocab, columns, axis=-1)
+    return vocab[columns]
 
 
 def copy_head(model, bundle, hidden, tokens, emb):
@@ -104,7 +115,8 @@ def side_layers(bundle, rows: Rows) -> tuple:
 
 
 def evaluate_rows(
-    model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 8, by_confidence: bool = False
+    model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 8, by_confidence: bool = False,
+    costs: list | None = None,
 ) -> dict:
     """The report on ``rows``: per depth, how often the draft is right alone
     and with the ones before it, and chain verify's tokens per pass walking
@@ -116,8 +128,11 @@ def evaluate_rows(
     a pass and share of passes that commit a wrong draft, at CLP's most likely
     run and at thresholds.
     ``by_confidence``: also t+2 by the backbone's own chance of its token
-    there, and how many misses the row had shown before (:func:`_by_confidence`)."""
+    there, and how many misses the row had shown before (:func:`_by_confidence`).
+    ``costs`` (an MTP layer's; pass times over 1, 2, ... tokens): also the walk
+    as verify's feed rule feeds it, runners-up and all (train/fed_walk.py)."""
     k, side = bundle.k, side_layers(bundle, rows)
+    fed = [] if costs and bundle.config.design == "mtp" else None
     binned = {"chance": [], "right": [], "in_row": []}
     hits = positions = 0
     runs_in, early_in, decided = [], [], {t: [] for t in THRESHOLDS}
@@ -126,7 +141,12 @@ def evaluate_rows(
     for start in range(0, len(rows), batch_rows):
         idx = np.arange(start, min(len(rows), start + batch_rows))
         hidden, tokens, starts, ends = rows.gather(idx, k, bool(side))
-        drafts, clp = chain_drafts(model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
+        given = (model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
+        others = [] if fed is not None else None
+        drafts, clp = chain_drafts(*given) if others is None else chain_drafts(*given, others=others)
+        if others:
+            alt_ids = np.stack([np.array(i) for i, _ in others], axis=2)  # (B, L, k, R + 1)
+            alt_chances = np.stack([np.array(c) for _, c in others], axis=2)
         counts = {t: np.array(accept_count(mx.array(clp), t)) for t in THRESHOLDS}
         target, inside = targets(tokens, starts, ends, rows.length, k)
         right = (drafts == target) & inside
@@ -144,6 +164,10 @@ def evaluate_rows(
             for t, n in counts.items():
                 decided[t].append(n[r, inner])
             walks["drafter"].append(runs[r, span])
+            if fed is not None:
+                fed.append(fed_steps(runs[r, span], drafts[r, span], target[r, span],
+                                     alt_chances[r, span].max(-1), alt_ids[r, span],
+                                     alt_chances[r, span], costs, k))  # fmt: skip
             if by_confidence:
                 scored = inside[r, span, 0]
                 wanted = target[r, span, 0]
@@ -173,6 +197,8 @@ def evaluate_rows(
             out[key] = round(walked_tokens_per_pass(runs), 3)
             early = [r[:EARLY] for r in runs]
             out[f"{key}_first_{EARLY}"] = round(walked_tokens_per_pass(early), 3)
+    if fed is not None:
+        out["walked_as_fed"] = summary(fed, costs)
     out["clp_mode"] = {_name(t): _unchecked(np.concatenate(n), run) for t, n in decided.items()}
     if by_confidence:
         out.update(_by_confidence(*(np.concatenate(v) for v in binned.values())))
@@ -270,11 +296,14 @@ def _with_copies(drafts, copied, match, target, inside, starts, ends) -> list[np
     return out
 
 
-def score_folders(model, bundle, dirs: list, lookup: int = 0, by_confidence=False) -> dict:
+def score_folders(
+    model, bundle, dirs: list, lookup: int = 0, by_confidence=False, costs=None
+) -> dict:
     """:func:`evaluate_rows` on each distilled folder's held-out rows, by folder name."""
     return {
         Path(d).name: evaluate_rows(
-            model, bundle, Rows.for_model([d], model.args, True), lookup, by_confidence=by_confidence
+            model, bundle, Rows.for_model([d], model.args, True), lookup,
+            by_confidence=by_confidence, costs=costs,
         )
         for d in dirs
     }

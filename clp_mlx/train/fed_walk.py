@@ -1,0 +1,82 @@
+"""Verify's walk as decoding feeds it, on rows whose greedy tokens are known.
+
+``train --eval``'s plain walk feeds every draft (verify's ``feed="all"``).
+Verify by default feeds what the pass costs say pays (decode/feed.py): a
+chain of ``m`` of the MTP layer's drafts, its runners-up as leaves where
+their chances pay, and no deeper drafting where nothing deeper could pay
+(the depth rule). Those choices read the layer's chances, so two layers
+with the same drafts can decode at different tokens a pass. This walk makes
+the same choices at every anchor of the rows, from the same chances, with
+the pass costs given: thousands of anchors, no timing. The drafter alone:
+context copies are left out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..decode.feed import best_tree, deeper_cannot_pay
+
+
+def fed_steps(run, drafts, target, chance, alt_ids, alt_chances, costs, k):
+    """Per pass along one row: (tokens committed, tokens fed beside the
+    backbone's own). Per anchor: ``run`` the accepted chain, ``drafts`` and
+    ``target`` (n, k), ``chance`` (n, k) the layer's chance of each draft,
+    ``alt_ids`` / ``alt_chances`` (n, k, R) its best R tokens and chances
+    at each depth; ``costs[w]`` the time of a pass over w + 1 tokens."""
+    n, t, out = len(run), 0, []
+    while t < n:
+        # As decoding with the row's end as its budget: drafts stop a token short of
+        # it (that one is a pass's own token), and the pass at the last token here
+        # stands for decoding's first, which commits the prefill's token alone.
+        depth = max(0, min(k, n - t - 2))
+        p, alive, drafted = chance[t].tolist(), [1.0], k
+        for d in range(k - 1):  # the depth rule, as MTPDrafter applies it
+            alive.append(alive[-1] * p[d])
+            if deeper_cannot_pay(alive, costs[: k + 1]):
+                drafted = d + 1
+                break
+        probs = run_chances(p[:drafted] + [0.0] * (k - drafted))
+        alternatives = [
+            sorted(
+                ((int(i), float(c)) for i, c in zip(alt_ids[t, d], alt_chances[t, d])
+                 if i != drafts[t, d]),
+                key=lambda x: -x[1],
+            )
+            for d in range(drafted)
+        ]  # fmt: skip
+        m, leaves = best_tree(probs, alternatives, costs, depth)
+        accepted = min(int(run[t]), m)
+        if accepted < k and (accepted + 1, target[t, accepted]) in leaves:
+            accepted += 1  # a runner-up was the backbone's token
+        step = 1 + accepted
+        out.append((min(step, n - t), m + len(leaves)))
+        t += step
+    return out
+
+
+def run_chances(p: list[float]) -> list[float]:
+    """P(L = l), l = 0..k, from each draft's chance once those before it are
+    right, as verify reads the layer's run scores (decode/mtp_drafter.run_scores,
+    floored at 1e-12, then normalised)."""
+    alive, out = 1.0, []
+    for q in [*p, 0.0]:
+        out.append(math.log(max(alive * (1.0 - q), 1e-12)))
+        alive *= q
+    top = max(out)
+    e = [math.exp(s - top) for s in out]
+    return [x / sum(e) for x in e]
+
+
+def summary(steps: list[list[tuple[int, int]]], costs) -> dict:
+    """Tokens a pass and a pass's time in one-token passes, over rows' steps."""
+    flat = [s for row in steps for s in row]
+    tokens = sum(s[0] for s in flat)
+    time = sum(costs[s[1]] / costs[0] for s in flat)
+    return {
+        "tokens_per_pass": round(tokens / max(1, len(flat)), 3),
+        "tokens_per_time": round(tokens / max(time, 1e-9), 3),
+        "fed_per_pass": round(float(np.mean([s[1] for s in flat])) if flat else 0.0, 3),
+    }

@@ -1,0 +1,88 @@
+"""Verify's walk as its feed rule feeds it (clp_mlx.train.fed_walk): the
+choices are decoding's own, runners-up and all, so the walk commits what
+decoding commits."""
+
+import numpy as np
+import pytest
+from test_rows_eval import root, trained  # noqa: F401  (fixtures: a tiny model, its layer)
+
+from clp_mlx.api import load_with_drafter
+from clp_mlx.train import rows_eval
+from clp_mlx.train.fed_walk import fed_steps, run_chances
+from clp_mlx.train.mtp_data import Rows
+
+
+def test_a_runner_up_that_was_the_backbones_token_commits_one_more():
+    """Flat costs: the two likeliest nodes go in, the first draft and the
+    first depth's runner-up (0.35) over the second draft (0.6 * 0.5); the
+    draft is wrong, the runner-up right: two tokens. At the row's last
+    token nothing is drafted."""
+    drafts, target = np.array([[7, 8], [0, 0], [0, 0]]), np.array([[9, 8], [0, 0], [0, 0]])
+    chance = np.array([[0.6, 0.5], [0.9, 0.9], [0.9, 0.9]])
+    alt_ids = np.array([[[7, 9], [8, 4]]] * 3)
+    alt_chances = np.array([[[0.6, 0.35], [0.5, 0.3]]] * 3)
+    run = np.array([0, 2, 2])
+    got = fed_steps(run, drafts, target, chance, alt_ids, alt_chances, [1.0, 1.0, 1.0], 2)
+    assert got == [(2, 2), (1, 0)]
+    target[0, 0] = 5  # neither right: one token, the same two fed
+    got = fed_steps(run, drafts, target, chance, alt_ids, alt_chances, [1.0, 1.0, 1.0], 2)
+    assert got[0] == (1, 2)
+
+
+def test_dear_passes_feed_nothing_unlikely():
+    """A pass of two tokens at twice the price: a draft at 0.6 does not pay."""
+    drafts = target = np.array([[7, 8], [0, 0]])
+    chance, alt = np.array([[0.6, 0.5]] * 2), np.zeros((2, 2, 2), dtype=int)
+    got = fed_steps(np.array([2, 2]), drafts, target, chance, alt, np.zeros((2, 2, 2)),
+                    [1.0, 2.0, 3.0], 2)  # fmt: skip
+    assert got == [(1, 0), (1, 0)]
+
+
+def test_run_chances_are_the_runs_of_right_drafts():
+    assert run_chances([0.5, 0.5]) == pytest.approx([0.5, 0.25, 0.25])
+    assert sum(run_chances([1.0, 0.0])) == pytest.approx(1.0)
+
+
+def test_the_fed_walk_is_what_default_verify_commits(root, trained, monkeypatch):  # noqa: F811
+    """Verify with its feed rule (no context copies), at given pass costs,
+    commits as many tokens a pass on the held-out prompts as the fed walk;
+    the rule feeds some drafts and not others, so the walk differs from
+    the walk that feeds every draft."""
+    from clp_mlx.decode import feed, verify
+    from clp_mlx.decode.config import DecodeConfig
+    from clp_mlx.decode.loop import decode
+
+    costs = [1.0, 1.25, 1.45]
+    monkeypatch.setattr(verify, "pass_costs", lambda *a, **k: costs)
+    monkeypatch.setattr(feed, "pass_costs", lambda *a, **k: costs)
+    model, _, bundle = load_with_drafter(root / "tiny", trained)
+    bundle.config.temperatures = [1.6, 1.6]  # less sure: the rule leaves some drafts out
+    rows = Rows.of([root / "data"], heldout=True)
+    report = rows_eval.evaluate_rows(model, bundle, rows, costs=costs)["walked_as_fed"]
+    tokens = passes = fed = 0
+    for i in range(len(rows)):
+        _, row, start, end = rows.gather(np.array([i]), bundle.k)
+        n = int(end[0] - start[0])
+        config = DecodeConfig(mode="verify", context_drafts=False, max_tokens=n)
+        steps = list(decode(row[0, : start[0]].tolist(), model, bundle, config))
+        assert [t for s in steps for t in s.tokens][:n] == row[0, start[0] : end[0]].tolist()
+        tokens, passes = tokens + n, passes + len(steps)
+        fed += sum(s.fed for s in steps)
+    assert tokens / passes == pytest.approx(report["tokens_per_pass"], abs=1e-3)
+    assert fed / passes == pytest.approx(report["fed_per_pass"], abs=1e-3)
+    assert 0.2 < report["fed_per_pass"] < bundle.k - 0.2  # the rule chose, both ways
+
+
+def test_train_eval_walks_an_mtp_layer_as_verify_feeds_it(root, trained, capsys):  # noqa: F811
+    """`train --eval` of an MTP layer also reports the fed walk, at this
+    machine's pass costs (heads of other designs have no runners-up: not there)."""
+    import json
+
+    from clp_mlx.cli.train import main as train
+
+    argv = ["--eval", "--model", str(root / "tiny"), "--data", str(root / "data")]
+    assert train([*argv, "--heads", str(trained)]) == 0
+    fed = json.loads(capsys.readouterr().out)["data"]["walked_as_fed"]
+    assert 1.0 <= fed["tokens_per_pass"] <= 3.0 and 0 <= fed["fed_per_pass"] <= 6  # CONTEXT_K
+    assert train([*argv, "--heads", str(root / "chain")]) == 0
+    assert "walked_as_fed" not in json.loads(capsys.readouterr().out)["data"]
