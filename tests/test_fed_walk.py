@@ -45,32 +45,39 @@ def test_run_chances_are_the_runs_of_right_drafts():
 
 def test_the_fed_walk_is_what_default_verify_commits(root, trained, monkeypatch):  # noqa: F811
     """Verify with its feed rule (no context copies), at given pass costs,
-    commits as many tokens a pass on the held-out prompts as the fed walk;
-    the rule feeds some drafts and not others, so the walk differs from
-    the walk that feeds every draft."""
+    commits on each held-out prompt what the fed walk does, pass for pass
+    (decoding's first pass, the prefill's token alone, is the walk's last);
+    at these costs the depth rule stops the drafting at some passes and not
+    at others, and runners-up go in as leaves, so all of it is compared."""
     from clp_mlx.decode import feed, verify
     from clp_mlx.decode.config import DecodeConfig
     from clp_mlx.decode.loop import decode
+    from clp_mlx.train import fed_walk
 
-    costs = [1.0, 1.25, 1.45]
+    costs = []
     monkeypatch.setattr(verify, "pass_costs", lambda *a, **k: costs)
     monkeypatch.setattr(feed, "pass_costs", lambda *a, **k: costs)
+    walks, stops, trees = [], [], []
+    monkeypatch.setattr(rows_eval, "fed_steps", lambda *a: walks.append(fed_steps(*a)) or walks[-1])
+    rule, tree = fed_walk.deeper_cannot_pay, fed_walk.best_tree
+    monkeypatch.setattr(fed_walk, "deeper_cannot_pay", lambda *a: stops.append(rule(*a)) or stops[-1])
+    monkeypatch.setattr(fed_walk, "best_tree", lambda *a: trees.append(tree(*a)) or trees[-1])
     model, _, bundle = load_with_drafter(root / "tiny", trained)
-    bundle.config.temperatures = [1.6, 1.6]  # less sure: the rule leaves some drafts out
     rows = Rows.of([root / "data"], heldout=True)
-    report = rows_eval.evaluate_rows(model, bundle, rows, costs=costs)["walked_as_fed"]
-    tokens = passes = fed = 0
-    for i in range(len(rows)):
-        _, row, start, end = rows.gather(np.array([i]), bundle.k)
-        n = int(end[0] - start[0])
-        config = DecodeConfig(mode="verify", context_drafts=False, max_tokens=n)
-        steps = list(decode(row[0, : start[0]].tolist(), model, bundle, config))
-        assert [t for s in steps for t in s.tokens][:n] == row[0, start[0] : end[0]].tolist()
-        tokens, passes = tokens + n, passes + len(steps)
-        fed += sum(s.fed for s in steps)
-    assert tokens / passes == pytest.approx(report["tokens_per_pass"], abs=1e-3)
-    assert fed / passes == pytest.approx(report["fed_per_pass"], abs=1e-3)
-    assert 0.2 < report["fed_per_pass"] < bundle.k - 0.2  # the rule chose, both ways
+    # Dear wide passes and a less sure layer: the depth rule stops some drafting;
+    # cheap ones and a second depth made unsure: runners-up of the first go in.
+    for costs[:], temperatures in (([1.0, 1.1, 1.5], [1.6, 1.6]), ([1.0, 1.02, 1.04], [1.0, 8.0])):
+        bundle.config.temperatures, walks[:] = temperatures, []
+        rows_eval.evaluate_rows(model, bundle, rows, costs=list(costs), batch_rows=1)
+        for i in range(len(rows)):
+            _, row, start, end = rows.gather(np.array([i]), bundle.k)
+            n = int(end[0] - start[0])
+            config = DecodeConfig(mode="verify", context_drafts=False, max_tokens=n)
+            steps = list(decode(row[0, : start[0]].tolist(), model, bundle, config))
+            assert [t for s in steps for t in s.tokens][:n] == row[0, start[0] : end[0]].tolist()
+            assert walks[i] == [(len(s.tokens), s.fed) for s in steps[1:] + steps[:1]], i
+    assert True in stops and False in stops  # the depth rule both ways
+    assert any(leaves for _, leaves in trees)  # runners-up fed
 
 
 def test_train_eval_walks_an_mtp_layer_as_verify_feeds_it(root, trained, capsys):  # noqa: F811

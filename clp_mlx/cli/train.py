@@ -182,15 +182,19 @@ def _evaluate(args, source: FeatureSource) -> int:
 
 def _evaluate_rows(args, model, bundle) -> int:
     """Self-distilled data folders: the drafter on their held-out rows."""
-    from ..decode.config import CONTEXT_K
+    from ..decode.config import DecodeConfig
     from ..decode.feed import pass_costs
     from ..train.rows_eval import score_folders
 
-    # As default verify feeds an MTP layer's drafts (with context copies: up to
-    # CONTEXT_K drafts a pass), at this machine's pass costs.
-    mtp = bundle.config.design == "mtp"
-    costs = pass_costs(model, max(bundle.k, CONTEXT_K) + 1) if mtp else None
-    report = score_folders(model, bundle, args.data, args.lookup, args.by_confidence, costs)
+    # As default verify feeds an MTP layer's drafts here: as many a pass, at
+    # this machine's pass costs, with runners-up unless it feeds chains only.
+    costs, leaves = None, True
+    if bundle.config.design == "mtp":
+        verify = DecodeConfig(mode="verify").resolve(model, bundle)
+        costs, leaves = pass_costs(model, verify.draft_len + 1), verify.tree is None
+    report = score_folders(
+        model, bundle, args.data, args.lookup, args.by_confidence, costs, leaves
+    )
     print(json.dumps(report, indent=1))
     return 0
 

@@ -8,7 +8,8 @@ their chances pay, and no deeper drafting where nothing deeper could pay
 with the same drafts can decode at different tokens a pass. This walk makes
 the same choices at every anchor of the rows, from the same chances, with
 the pass costs given: thousands of anchors, no timing. The drafter alone:
-context copies are left out.
+context copies are left out. Where verify feeds chains only (a setup whose
+cache pads rows into trees, or ``tree=0``), ``leaves=False`` walks that.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from ..decode.feed import best_tree, deeper_cannot_pay
 
 
-def fed_steps(run, drafts, target, chance, alt_ids, alt_chances, costs, k):
+def fed_steps(run, drafts, target, chance, alt_ids, alt_chances, costs, k, leaves=True):
     """Per pass along one row: (tokens committed, tokens fed beside the
     backbone's own). Per anchor: ``run`` the accepted chain, ``drafts`` and
     ``target`` (n, k), ``chance`` (n, k) the layer's chance of each draft,
@@ -39,20 +40,18 @@ def fed_steps(run, drafts, target, chance, alt_ids, alt_chances, costs, k):
                 drafted = d + 1
                 break
         probs = run_chances(p[:drafted] + [0.0] * (k - drafted))
-        alternatives = [
-            sorted(
-                ((int(i), float(c)) for i, c in zip(alt_ids[t, d], alt_chances[t, d])
-                 if i != drafts[t, d]),
-                key=lambda x: -x[1],
-            )
-            for d in range(drafted)
-        ]  # fmt: skip
-        m, leaves = best_tree(probs, alternatives, costs, depth)
+        alternatives = []
+        for d in range(drafted if leaves else 0):
+            pairs = zip(alt_ids[t, d].tolist(), alt_chances[t, d].tolist())
+            alternatives.append(sorted(((i, c) for i, c in pairs if i != drafts[t, d]),
+                                       key=lambda x: -x[1]))  # fmt: skip
+        m, fed = best_tree(probs, alternatives, costs, depth)
+        m = min(m, drafted)  # undrafted depths (chance ~0) are never fed
         accepted = min(int(run[t]), m)
-        if accepted < k and (accepted + 1, target[t, accepted]) in leaves:
+        if accepted < k and (accepted + 1, target[t, accepted]) in fed:
             accepted += 1  # a runner-up was the backbone's token
         step = 1 + accepted
-        out.append((min(step, n - t), m + len(leaves)))
+        out.append((min(step, n - t), m + len(fed)))
         t += step
     return out
 

@@ -117,6 +117,7 @@ def side_layers(bundle, rows: Rows) -> tuple:
 def evaluate_rows(
     model, bundle, rows: Rows, lookup: int = 0, batch_rows: int = 8, by_confidence: bool = False,
     costs: list | None = None,
+    leaves: bool = True,
 ) -> dict:
     """The report on ``rows``: per depth, how often the draft is right alone
     and with the ones before it, and chain verify's tokens per pass walking
@@ -130,7 +131,8 @@ def evaluate_rows(
     ``by_confidence``: also t+2 by the backbone's own chance of its token
     there, and how many misses the row had shown before (:func:`_by_confidence`).
     ``costs`` (an MTP layer's; pass times over 1, 2, ... tokens): also the walk
-    as verify's feed rule feeds it, runners-up and all (train/fed_walk.py)."""
+    as verify's feed rule feeds it, with runners-up as leaves unless not
+    ``leaves`` (train/fed_walk.py)."""
     k, side = bundle.k, side_layers(bundle, rows)
     fed = [] if costs and bundle.config.design == "mtp" else None
     binned = {"chance": [], "right": [], "in_row": []}
@@ -167,7 +169,7 @@ def evaluate_rows(
             if fed is not None:
                 fed.append(fed_steps(runs[r, span], drafts[r, span], target[r, span],
                                      alt_chances[r, span].max(-1), alt_ids[r, span],
-                                     alt_chances[r, span], costs, k))  # fmt: skip
+                                     alt_chances[r, span], costs, k, leaves))  # fmt: skip
             if by_confidence:
                 scored = inside[r, span, 0]
                 wanted = target[r, span, 0]
@@ -297,13 +299,13 @@ def _with_copies(drafts, copied, match, target, inside, starts, ends) -> list[np
 
 
 def score_folders(
-    model, bundle, dirs: list, lookup: int = 0, by_confidence=False, costs=None
+    model, bundle, dirs: list, lookup: int = 0, by_confidence=False, costs=None, leaves=True
 ) -> dict:
     """:func:`evaluate_rows` on each distilled folder's held-out rows, by folder name."""
     return {
         Path(d).name: evaluate_rows(
             model, bundle, Rows.for_model([d], model.args, True), lookup,
-            by_confidence=by_confidence, costs=costs,
+            by_confidence=by_confidence, costs=costs, leaves=leaves,
         )
         for d in dirs
     }
