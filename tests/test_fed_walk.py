@@ -18,23 +18,22 @@ def test_a_runner_up_that_was_the_backbones_token_commits_one_more():
     draft is wrong, the runner-up right: two tokens. At the row's last
     token nothing is drafted."""
     drafts, target = np.array([[7, 8], [0, 0], [0, 0]]), np.array([[9, 8], [0, 0], [0, 0]])
-    chance = np.array([[0.6, 0.5], [0.9, 0.9], [0.9, 0.9]])
-    alt_ids = np.array([[[7, 9], [8, 4]]] * 3)
+    alt_ids = np.array([[[7, 9], [8, 4]]] * 3)  # each depth's draft, then its runner-up
     alt_chances = np.array([[[0.6, 0.35], [0.5, 0.3]]] * 3)
     run = np.array([0, 2, 2])
-    got = fed_steps(run, drafts, target, chance, alt_ids, alt_chances, [1.0, 1.0, 1.0], 2)
+    got = fed_steps(run, drafts, target, alt_ids, alt_chances, [1.0, 1.0, 1.0], 2)
     assert got == [(2, 2), (1, 0)]
     target[0, 0] = 5  # neither right: one token, the same two fed
-    got = fed_steps(run, drafts, target, chance, alt_ids, alt_chances, [1.0, 1.0, 1.0], 2)
+    got = fed_steps(run, drafts, target, alt_ids, alt_chances, [1.0, 1.0, 1.0], 2)
     assert got[0] == (1, 2)
 
 
 def test_dear_passes_feed_nothing_unlikely():
     """A pass of two tokens at twice the price: a draft at 0.6 does not pay."""
     drafts = target = np.array([[7, 8], [0, 0]])
-    chance, alt = np.array([[0.6, 0.5]] * 2), np.zeros((2, 2, 2), dtype=int)
-    got = fed_steps(np.array([2, 2]), drafts, target, chance, alt, np.zeros((2, 2, 2)),
-                    [1.0, 2.0, 3.0], 2)  # fmt: skip
+    alt_ids = np.array([[[7, 0], [8, 0]]] * 2)  # no runner-up the layer gives a chance
+    alt_chances = np.array([[[0.6, 0.0], [0.5, 0.0]]] * 2)
+    got = fed_steps(np.array([2, 2]), drafts, target, alt_ids, alt_chances, [1.0, 2.0, 3.0], 2)
     assert got == [(1, 0), (1, 0)]
 
 

@@ -89,7 +89,7 @@ def propose(drafter, committed, got: PassDrafts, depth: int, config, costs, tree
     scores = drafter.observe(committed, got)
     alternatives = drafter.alternatives() if tree_size is None and costs else []
     if alternatives:
-        m, leaves = best_tree(_softmax(scores), alternatives, costs, depth)
+        m, leaves = best_tree(softmax(scores), alternatives, costs, depth)
         chain = drafter.candidates(m, 1)[0] if m else []
         paths = [chain] + [chain[: j - 1] + [t] for j, t in leaves]
         return Tree.build(b, paths, 1 + len(chain) + len(leaves))
@@ -105,7 +105,7 @@ def feed_count(scores: list[float], depth: int, feed: str, costs) -> int:
     if feed == "clp":
         return min(depth, max(range(len(scores)), key=scores.__getitem__))
     if feed == "cost":
-        return best_feed(_softmax(scores), costs, depth)
+        return best_feed(softmax(scores), costs, depth)
     return depth
 
 
@@ -133,7 +133,7 @@ def verify(model, drafter, first, cache, config, tree_size: int | None) -> Itera
             return
 
 
-def _softmax(scores: list) -> list:
+def softmax(scores: list) -> list:
     top = max(scores)
     e = [math.exp(s - top) for s in scores]
     return [x / sum(e) for x in e]

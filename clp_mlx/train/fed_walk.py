@@ -14,26 +14,27 @@ cache pads rows into trees, or ``tree=0``), ``leaves=False`` walks that.
 
 from __future__ import annotations
 
-import math
-
+import mlx.core as mx
 import numpy as np
 
 from ..decode.feed import best_tree, deeper_cannot_pay
+from ..decode.mtp_drafter import run_scores
+from ..decode.verify import softmax
 
 
-def fed_steps(run, drafts, target, chance, alt_ids, alt_chances, costs, k, leaves=True):
+def fed_steps(run, drafts, target, alt_ids, alt_chances, costs, k, leaves=True):
     """Per pass along one row: (tokens committed, tokens fed beside the
     backbone's own). Per anchor: ``run`` the accepted chain, ``drafts`` and
-    ``target`` (n, k), ``chance`` (n, k) the layer's chance of each draft,
-    ``alt_ids`` / ``alt_chances`` (n, k, R) its best R tokens and chances
-    at each depth; ``costs[w]`` the time of a pass over w + 1 tokens."""
+    ``target`` (n, k), ``alt_ids`` / ``alt_chances`` (n, k, R) the layer's
+    best R tokens at each depth and its chances of them (its draft's the
+    highest); ``costs[w]`` the time of a pass over w + 1 tokens."""
     n, t, out = len(run), 0, []
     while t < n:
         # As decoding with the row's end as its budget: drafts stop a token short of
         # it (that one is a pass's own token), and the pass at the last token here
         # stands for decoding's first, which commits the prefill's token alone.
         depth = max(0, min(k, n - t - 2))
-        p, alive, drafted = chance[t].tolist(), [1.0], k
+        p, alive, drafted = alt_chances[t].max(-1).tolist(), [1.0], k
         for d in range(k - 1):  # the depth rule, as MTPDrafter applies it
             alive.append(alive[-1] * p[d])
             if deeper_cannot_pay(alive, costs[: k + 1]):
@@ -50,23 +51,15 @@ def fed_steps(run, drafts, target, chance, alt_ids, alt_chances, costs, k, leave
         accepted = min(int(run[t]), m)
         if accepted < k and (accepted + 1, target[t, accepted]) in fed:
             accepted += 1  # a runner-up was the backbone's token
-        step = 1 + accepted
-        out.append((min(step, n - t), m + len(fed)))
-        t += step
+        out.append((1 + accepted, m + len(fed)))
+        t += 1 + accepted
     return out
 
 
 def run_chances(p: list[float]) -> list[float]:
     """P(L = l), l = 0..k, from each draft's chance once those before it are
-    right, as verify reads the layer's run scores (decode/mtp_drafter.run_scores,
-    floored at 1e-12, then normalised)."""
-    alive, out = 1.0, []
-    for q in [*p, 0.0]:
-        out.append(math.log(max(alive * (1.0 - q), 1e-12)))
-        alive *= q
-    top = max(out)
-    e = [math.exp(s - top) for s in out]
-    return [x / sum(e) for x in e]
+    right, as verify reads them from the layer's run scores."""
+    return softmax(run_scores(mx.array(p)).tolist())
 
 
 def summary(steps: list[list[tuple[int, int]]], costs) -> dict:

@@ -144,7 +144,7 @@ def evaluate_rows(
         idx = np.arange(start, min(len(rows), start + batch_rows))
         hidden, tokens, starts, ends = rows.gather(idx, k, bool(side))
         given = (model, bundle, mx.array(hidden), mx.array(np.maximum(tokens, 0)))
-        others = [] if fed is not None else None
+        others = [] if fed is not None else None  # (test stubs of chain_drafts take none)
         drafts, clp = chain_drafts(*given) if others is None else chain_drafts(*given, others=others)
         if others:
             alt_ids = np.stack([np.array(i) for i, _ in others], axis=2)  # (B, L, k, R + 1)
@@ -168,8 +168,8 @@ def evaluate_rows(
             walks["drafter"].append(runs[r, span])
             if fed is not None:
                 fed.append(fed_steps(runs[r, span], drafts[r, span], target[r, span],
-                                     alt_chances[r, span].max(-1), alt_ids[r, span],
-                                     alt_chances[r, span], costs, k, leaves))  # fmt: skip
+                                     alt_ids[r, span], alt_chances[r, span], costs, k,
+                                     leaves))  # fmt: skip
             if by_confidence:
                 scored = inside[r, span, 0]
                 wanted = target[r, span, 0]
