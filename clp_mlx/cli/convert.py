@@ -5,6 +5,7 @@
     python -m clp_mlx.cli.convert heads-from-torch medusa_lm_head.pt --model qwen05-mlx -o heads
     python -m clp_mlx.cli.convert heads-to-package my-heads qwen2.5-coder-0.5b-instruct
     python -m clp_mlx.cli.convert heads-from-eagle pytorch_model.bin --model qwen7b -o drafter
+    python -m clp_mlx.cli.convert grow-vocab drafter --model M -o drafter32k --size 32768 --text wiki.train.raw
 
 ``.bin``/``.pt`` checkpoints are read without torch and without running their
 pickled code. The scripts in ``convert/`` run these subcommands.
@@ -74,6 +75,16 @@ def _heads_to_package(args) -> None:
     print(json.dumps({"shipped": str(dest), **summary}))
 
 
+def _grow_vocab(args) -> None:
+    from ..api import load_with_drafter
+    from ..train.vocab_grow import grow_vocab
+
+    model, tokenizer, _ = load_with_drafter(args.model, "none")
+    out = grow_vocab(args.drafter, model, tokenizer, args.out, args.size, texts=args.text,
+                     data=args.data, force=args.force)  # fmt: skip
+    print(f"wrote {out}")
+
+
 def _add(commands, name: str, action: Callable, description: str) -> argparse.ArgumentParser:
     p = commands.add_parser(name, help=description, description=description)
     add_debug(p)  # after the subcommand too: "convert gguf F --debug"
@@ -117,6 +128,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="the backbone it was trained for")
     p.add_argument("-o", "--out", required=True, help="drafter folder to write")
     p.add_argument("--k", type=int, default=4, help="drafts per step (default: 4)")
+    p.add_argument("--force", action="store_true", help="replace --out if it holds only a drafter")
+    about = "Grow a drafter's draft vocabulary by the most frequent tokens of texts and rows."
+    p = _add(commands, "grow-vocab", _grow_vocab, about)
+    p.add_argument("drafter", help="an MTP-layer drafter folder with a draft vocabulary")
+    p.add_argument("--model", required=True, help="the backbone it drafts for")
+    p.add_argument("-o", "--out", required=True, help="drafter folder to write")
+    p.add_argument("--size", type=int, required=True, help="ids in the grown draft vocabulary")
+    p.add_argument("--text", nargs="+", default=[], help="UTF-8 text files to count tokens in")
+    p.add_argument("--data", nargs="+", default=[], help="distilled folders: their greedy tokens")
     p.add_argument("--force", action="store_true", help="replace --out if it holds only a drafter")
     about = "Package trained heads so that the matching default model finds them."
     p = _add(commands, "heads-to-package", _heads_to_package, about)
