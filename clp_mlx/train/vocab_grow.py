@@ -47,7 +47,14 @@ def text_ids(path: Path, tokenizer) -> np.ndarray:
         raise ClpError(f"cannot read --text {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise ClpError(f"--text {path} is not UTF-8 text") from None
-    return np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # not "longer than the model's context": it is no prompt
+    try:
+        return np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def grow_vocab(src, model, tokenizer, out, size: int, *, texts=(), data=(), force=False) -> Path:
@@ -73,6 +80,6 @@ def grow_vocab(src, model, tokenizer, out, size: int, *, texts=(), data=(), forc
     if data:
         shares.append(token_shares(Rows.for_model(list(data), model.args).greedy_tokens(), vocab))
     bundle.set_draft_vocab(grown(old, size, shares).tolist())
-    made = {"from": Path(src).name, "ids_before": len(old), "texts": [Path(t).name for t in texts],
+    made = {"from": "/".join(Path(src).resolve().parts[-2:]), "ids_before": len(old), "texts": [Path(t).name for t in texts],
             "data": [Path(d).name for d in data]}  # fmt: skip
     return save_heads(bundle, out, force=force, extra={"grown_vocab": made})
