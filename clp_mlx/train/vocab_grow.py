@@ -80,6 +80,10 @@ def grow_vocab(src, model, tokenizer, out, size: int, *, texts=(), data=(), forc
     if data:
         shares.append(token_shares(Rows.for_model(list(data), model.args).greedy_tokens(), vocab))
     bundle.set_draft_vocab(grown(old, size, shares).tolist())
-    made = {"from": "/".join(Path(src).resolve().parts[-2:]), "ids_before": len(old), "texts": [Path(t).name for t in texts],
-            "data": [Path(d).name for d in data]}  # fmt: skip
+    made = {
+        "from": "/".join(Path(src).resolve().parts[-2:]),
+        "ids_before": len(old),
+        "texts": [Path(t).name for t in texts],
+        "data": [Path(d).name for d in data],
+    }
     return save_heads(bundle, out, force=force, extra={"grown_vocab": made})
