@@ -67,3 +67,25 @@ def test_bad_input_is_one_line(setup, tmp_path, capsys):
     (tmp_path / "taken" / "mine.txt").write_text("x")
     one_error(main, [*base, "-o", str(tmp_path / "taken"), "--size", "70", *text], capsys, "exists")
     assert not (tmp_path / "o").exists() and (tmp_path / "taken" / "mine.txt").is_file()
+
+
+def test_distilled_rows_count_their_greedy_tokens(tmp_path):
+    from mtp_helpers import distilled
+
+    from clp_mlx.train.mtp_data import Rows
+
+    root = distilled(tmp_path)
+    model = tiny_model(0)
+    greedy = Rows.of([root / "data"]).greedy_tokens()
+    counts = np.bincount(greedy, minlength=128)
+    top = np.argsort(-counts, kind="stable")[:3]
+    # left out: the three most frequent and the three lowest others (what no count would add)
+    old = [i for i in range(128) if i not in top][3:63]
+    assert counts[top].min() > 0 and sorted(top.tolist()) != [0, 1, 2]
+    bundle = init_heads(model, 3, design="mtp", gate=False, head0=False, seed=1)
+    bundle.set_draft_vocab(old)
+    save_heads(bundle, tmp_path / "drafter")
+    argv = ["grow-vocab", str(tmp_path / "drafter"), "--model", str(root / "tiny")]
+    out = tmp_path / "grown"
+    assert main([*argv, "-o", str(out), "--size", "63", "--data", str(root / "data")]) == 0
+    assert load_heads(out, model).draft_vocab.tolist() == sorted([*old, *top.tolist()])
