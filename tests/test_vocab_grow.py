@@ -63,6 +63,10 @@ def test_bad_input_is_one_line(setup, tmp_path, capsys):
     missing = ["--text", str(tmp_path / "nope.txt")]
     one_error(main, [*base, "-o", str(tmp_path / "o"), "--size", "70", *missing], capsys, "nope")
     one_error(main, [*base, "-o", str(root / "drafter"), "--size", "70", *text], capsys, "itself")
+    nodata = ["--data", str(tmp_path / "nodata")]
+    one_error(main, [*base, "-o", str(tmp_path / "o"), "--size", "70", *nodata], capsys, "nodata")
+    one_error(main, [*base[:1], str(folder), *base[2:], "-o", str(tmp_path / "o"), "--size", "70",
+                     *text], capsys, "heads")  # fmt: skip
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "mine.txt").write_text("x")
     one_error(main, [*base, "-o", str(tmp_path / "taken"), "--size", "70", *text], capsys, "exists")
