@@ -19,6 +19,8 @@ def test_grown_keeps_the_old_ids_and_adds_the_highest_summed_shares():
     a = token_shares(np.array([7, 7, 7, 3, 3, 9]), 12)  # 7: 1/2, 3: 1/3, 9: 1/6
     b = token_shares(np.array([9, 9, 1, 1]), 12)  # 9: 1/2, 1: 1/2
     assert np.isclose(a.sum(), 1) and np.isclose(a[7], 0.5)
+    past = token_shares(np.array([7, 7, 3, 12, 99, -1]), 12)  # ids the model has no rows for
+    assert past.shape == (12,) and np.isclose(past[7], 2 / 3) and np.isclose(past.sum(), 1)
     assert grown([3, 5], 3, [a, b]).tolist() == [3, 5, 9]  # 9: 2/3
     assert grown([3, 5], 4, [a, b]).tolist() == [1, 3, 5, 9]  # 1 and 7 tie at 1/2: lower id first
     assert grown([3, 5], 5, [a, b]).tolist() == [1, 3, 5, 7, 9]

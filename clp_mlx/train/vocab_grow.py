@@ -23,8 +23,10 @@ from ..errors import ClpError
 
 
 def token_shares(ids: np.ndarray, vocab: int) -> np.ndarray:
-    """How often each token id occurs in ``ids``, as a share of all of them."""
-    counts = np.bincount(np.asarray(ids, dtype=np.int64).reshape(-1), minlength=vocab)
+    """How often each token id below ``vocab`` occurs in ``ids``, as a share
+    of all of them (ids the model has no rows for cannot be drafted)."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    counts = np.bincount(ids[(ids >= 0) & (ids < vocab)], minlength=vocab)
     return counts / max(1, int(counts.sum()))
 
 
@@ -61,21 +63,22 @@ def grow_vocab(src, model, tokenizer, out, size: int, *, texts=(), data=(), forc
     """Write to ``out`` the drafter in ``src`` with a draft vocabulary of
     ``size`` ids: its own, then the most frequent of ``texts`` (files) and of
     the greedy tokens in ``data`` (distilled folders of this backbone)."""
+    from ..model import backbone
     from ..model.heads_files import load_heads, save_heads
     from .mtp_data import Rows
 
+    if not texts and not data:
+        raise ClpError("give --text files or --data folders to count tokens in")
     if Path(out).resolve() == Path(src).resolve():
         raise ClpError(f"-o {out} is the drafter itself: write the grown one to a new folder")
     bundle = load_heads(src, model)  # every part checked against this backbone
-    vocab = model.args.vocab_size
+    vocab = backbone.token_count(model)  # the bound load_heads checks draft ids against
     if bundle.config.design != "mtp" or "draft_vocab" not in bundle:
         raise ClpError(f"{src}: not an MTP-layer drafter with a draft vocabulary")
     old = np.array(bundle.draft_vocab)
     if not len(old) < size <= vocab:
         raise ClpError(f"--size must be above the drafter's {len(old)} ids and at most "
                        f"the vocabulary's {vocab}, got {size}")  # fmt: skip
-    if not texts and not data:
-        raise ClpError("give --text files or --data folders to count tokens in")
     shares = [token_shares(text_ids(t, tokenizer), vocab) for t in texts]
     if data:
         shares.append(token_shares(Rows.for_model(list(data), model.args).greedy_tokens(), vocab))
