@@ -73,6 +73,11 @@ def test_bad_input_is_one_line(setup, tmp_path, capsys):
     (tmp_path / "taken" / "mine.txt").write_text("x")
     one_error(main, [*base, "-o", str(tmp_path / "taken"), "--size", "70", *text], capsys, "exists")
     assert not (tmp_path / "o").exists() and (tmp_path / "taken" / "mine.txt").is_file()
+    # refused before any loading: a model that is not there does not come first
+    nomodel = ["grow-vocab", str(root / "drafter"), "--model", str(tmp_path / "nomodel")]
+    one_error(main, [*nomodel, "-o", str(tmp_path / "taken"), "--size", "70", *text], capsys,
+              "exists")  # fmt: skip
+    one_error(main, [*nomodel, "-o", str(tmp_path / "o"), "--size", "70"], capsys, "--text")
 
 
 def test_distilled_rows_count_their_greedy_tokens(tmp_path):

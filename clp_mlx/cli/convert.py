@@ -77,8 +77,9 @@ def _heads_to_package(args) -> None:
 
 def _grow_vocab(args) -> None:
     from ..api import load_with_drafter
-    from ..train.vocab_grow import grow_vocab
+    from ..train.vocab_grow import check_request, grow_vocab
 
+    check_request(args.drafter, args.out, texts=args.text, data=args.data, force=args.force)
     model, tokenizer, _ = load_with_drafter(args.model, "none")
     out = grow_vocab(args.drafter, model, tokenizer, args.out, args.size, texts=args.text,
                      data=args.data, force=args.force)  # fmt: skip

@@ -59,6 +59,16 @@ def text_ids(path: Path, tokenizer) -> np.ndarray:
         hf_logging.set_verbosity(level)
 
 
+def check_request(src, out, *, texts=(), data=(), force=False) -> None:
+    """What can be refused before a backbone is loaded and tokens counted."""
+    if not texts and not data:
+        raise ClpError("give --text files or --data folders to count tokens in")
+    if Path(out).resolve() == Path(src).resolve():
+        raise ClpError(f"-o {out} is the drafter itself: write the grown one to a new folder")
+    if Path(out).exists() and not force:
+        raise ClpError(f"{out} exists; pass --force to replace it")
+
+
 def grow_vocab(src, model, tokenizer, out, size: int, *, texts=(), data=(), force=False) -> Path:
     """Write to ``out`` the drafter in ``src`` with a draft vocabulary of
     ``size`` ids: its own, then the most frequent of ``texts`` (files) and of
@@ -67,10 +77,7 @@ def grow_vocab(src, model, tokenizer, out, size: int, *, texts=(), data=(), forc
     from ..model.heads_files import load_heads, save_heads
     from .mtp_data import Rows
 
-    if not texts and not data:
-        raise ClpError("give --text files or --data folders to count tokens in")
-    if Path(out).resolve() == Path(src).resolve():
-        raise ClpError(f"-o {out} is the drafter itself: write the grown one to a new folder")
+    check_request(src, out, texts=texts, data=data, force=force)
     bundle = load_heads(src, model)  # every part checked against this backbone
     vocab = backbone.token_count(model)  # the bound load_heads checks draft ids against
     if bundle.config.design != "mtp" or "draft_vocab" not in bundle:
