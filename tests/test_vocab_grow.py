@@ -78,6 +78,9 @@ def test_bad_input_is_one_line(setup, tmp_path, capsys):
     one_error(main, [*nomodel, "-o", str(tmp_path / "taken"), "--size", "70", *text], capsys,
               "exists")  # fmt: skip
     one_error(main, [*nomodel, "-o", str(tmp_path / "o"), "--size", "70"], capsys, "--text")
+    one_error(main, [*nomodel, "-o", str(tmp_path / "taken"), "--size", "70", *text, "--force"],
+              capsys, "refusing to replace")  # fmt: skip
+    assert (tmp_path / "taken" / "mine.txt").is_file()
 
 
 def test_distilled_rows_count_their_greedy_tokens(tmp_path):

@@ -48,17 +48,23 @@ class Choices:
             )
 
 
-def check_output(out_dir: str | os.PathLike[str], force: bool, inputs: Iterable[Path]) -> Path:
+def check_output(
+    out_dir: str | os.PathLike[str],
+    force: bool,
+    inputs: Iterable[Path],
+    ours: Callable[[Path], bool] | None = None,
+) -> Path:
     """The output folder as an absolute path (so "." or "x/" still has a name).
     An existing one is replaced only when the caller says so, and only if it
-    is empty or clp-mlx wrote it (:data:`MARKER`), never one holding
-    ``inputs``, the current folder or a link (:func:`clp_mlx.paths.replace_refusal`)."""
+    is empty or clp-mlx wrote it (``ours``, by default :func:`made_here`), never
+    one holding ``inputs``, the current folder or a link
+    (:func:`clp_mlx.paths.replace_refusal`)."""
     out = Path(os.path.abspath(out_dir))
     if not (out.exists() or out.is_symlink()):
         return out
     if not force:
         raise ClpError(f"output folder {out} already exists (use --force to replace it)")
-    why = replace_refusal(out, made_here, inputs)
+    why = replace_refusal(out, ours or made_here, inputs)
     if why is not None:
         raise ClpError(f"refusing to replace {out} (--force): {why}")
     return out
@@ -94,7 +100,10 @@ def read_json(path: Path, what: str = "file") -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ClpError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (
+        ValueError,
+        RecursionError,
+    ) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ClpError(f"{path} is not a valid JSON {what}: {str(e)[:200]}") from None
 
 

@@ -60,13 +60,17 @@ def text_ids(path: Path, tokenizer) -> np.ndarray:
 
 
 def check_request(src, out, *, texts=(), data=(), force=False) -> None:
-    """What can be refused before a backbone is loaded and tokens counted."""
+    """What can be refused before a backbone is loaded and tokens counted:
+    no sources, or an -o that is the drafter, exists without ``force`` or
+    holds anything but heads (what ``save_heads`` would refuse last)."""
+    from ..model.heads_files import holds_only_heads
+    from ..sources.converting import check_output
+
     if not texts and not data:
         raise ClpError("give --text files or --data folders to count tokens in")
     if Path(out).resolve() == Path(src).resolve():
         raise ClpError(f"-o {out} is the drafter itself: write the grown one to a new folder")
-    if Path(out).exists() and not force:
-        raise ClpError(f"{out} exists; pass --force to replace it")
+    check_output(out, force, [Path(p) for p in (src, *texts, *data)], ours=holds_only_heads)
 
 
 def grow_vocab(src, model, tokenizer, out, size: int, *, texts=(), data=(), force=False) -> Path:
