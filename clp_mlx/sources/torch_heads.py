@@ -28,7 +28,6 @@ Frobenius distance <= 1e-3), or dropped with a warning when asked to.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -38,7 +37,6 @@ from typing import Any
 import numpy as np
 
 from clp_mlx.errors import ClpError
-from clp_mlx.paths import replace_refusal
 from clp_mlx.sources.torch_zip import load_torch_file
 
 PROJECTION_RTOL = 1e-3
@@ -255,15 +253,10 @@ def convert_torch_heads(
     """Convert a PyTorch head checkpoint for the MLX model in ``model_dir``; return ``out_dir``."""
     from clp_mlx.model.heads_files import bundle_from_arrays, save_heads
     from clp_mlx.model.heads_files import holds_only_heads
-    from clp_mlx.sources.converting import writing
+    from clp_mlx.sources.converting import check_output, writing
 
-    out, model_dir = Path(os.path.abspath(out_dir)), Path(model_dir)
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise ClpError(f"{out} exists; pass --force to replace it")
-        why = replace_refusal(out, holds_only_heads, [Path(src), model_dir])
-        if why is not None:
-            raise ClpError(f"refusing to replace {out} (--force): {why}")
+    model_dir = Path(model_dir)
+    out = check_output(out_dir, force, [Path(src), model_dir], ours=holds_only_heads)
     state = load_head_state(src)
     if not (model_dir / "config.json").is_file():
         raise ClpError(f"{model_dir} is not an MLX model folder (no config.json)")
