@@ -31,20 +31,27 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU")
     p.add_argument("--out", required=True, help="the data folder (made, or resumed)")
-    p.add_argument("--kind", choices=("wikitext", "code", "magpie"), required=True)
+    p.add_argument("--kind", choices=("wikitext", "code", "magpie", "sampled"), required=True)
     p.add_argument(
         "--data",
         nargs="+",
         default=[],
         help="wikitext: text files; code: .py files or folders (walked for *.py); "
-        "magpie: data folders whose questions to answer (default: sample new ones)",
+        "magpie: data folders whose questions to answer (default: sample new ones); "
+        "sampled: none",
+    )
+    p.add_argument(
+        "--start",
+        default="",
+        help="sampled: the text every opening is sampled after, e.g. "
+        "$'From Wikipedia, the free encyclopedia\\n\\n'",
     )
     p.add_argument("--prompts", type=int, required=True, help="prompt indices (rows) to make")
     p.add_argument(
         "--prompt-tokens",
         type=int,
         default=32,
-        help="tokens per prompt; magpie: the cap on a sampled question (default: 32)",
+        help="tokens per prompt; magpie, sampled: the cap on what is sampled (default: 32)",
     )
     p.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per row (default: 96)")
     p.add_argument("--batch", type=int, default=16, help="rows decoded together (default: 16)")
@@ -53,7 +60,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--heldout", type=float, default=0.02, help="share of prompts held out (default: 0.02; 1: all, for evaluation only)"
     )
-    p.add_argument("--seed", type=int, default=0, help="prompt order and magpie sampling")
+    p.add_argument("--seed", type=int, default=0, help="prompt order; magpie's and sampled's draws")
     p.add_argument(
         "--side-layers", type=int, nargs="+", default=[], metavar="N",
         help="also keep the states after the first N layers, for each N (EAGLE-3's "
@@ -104,6 +111,7 @@ def main(argv=None) -> int:
         seed=args.seed,
         dtype=dtype,
         side_layers=tuple(args.side_layers),
+        start=args.start,
     )
     model, tokenizer = backbone.load_backbone(resolve_model(args.model, dtype=dtype), dtype)
     sources = {"model": args.model, "data": args.data}

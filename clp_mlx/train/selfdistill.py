@@ -38,8 +38,10 @@ from ..model.layer_states import layer_outputs
 from . import selfdistill_store as store
 from .selfdistill_magpie import asked_prompts, inputs_digest, magpie_prompts
 from .selfdistill_prompts import text_prompts
+from .selfdistill_sampled import inputs_digest as sampled_digest
+from .selfdistill_sampled import sampled_prompts
 
-KINDS = ("wikitext", "code", "magpie")
+KINDS = ("wikitext", "code", "magpie", "sampled")
 FORMAT = "clp-mlx self-distilled rows 1"
 # What must match for a restart to reuse a folder's shards. The model's
 # path and the data paths are recorded but not compared: the same weights
@@ -49,7 +51,8 @@ COMPARED = ("format", "settings", "backbone", "inputs")
 
 @dataclass(frozen=True)
 class Settings:
-    """What a run makes. For magpie, ``prompt_tokens`` caps the sampled question."""
+    """What a run makes. For magpie and sampled, ``prompt_tokens`` caps what is sampled;
+    ``start`` is what sampled openings continue."""
 
     kind: str
     prompts: int
@@ -61,6 +64,7 @@ class Settings:
     seed: int = 0
     dtype: str = "float32"
     side_layers: tuple[int, ...] = ()  # earlier layers' states kept too (after n layers)
+    start: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -70,16 +74,21 @@ class Settings:
                 raise ClpError(f"--{name.replace('_', '-')} must be 1 or more")
         if not 0 <= self.heldout <= 1:  # 1: an evaluation-only folder
             raise ClpError(f"--heldout must be in [0, 1], got {self.heldout}")
+        if self.kind == "sampled" and not self.start:
+            raise ClpError("--kind sampled needs --start TEXT: the text its openings continue")
+        if self.start and self.kind != "sampled":
+            raise ClpError(f"--start is for --kind sampled, not {self.kind}")
         if len(set(self.side_layers)) != len(self.side_layers):
             raise ClpError(f"--side-layers repeats a layer: {list(self.side_layers)}")
 
     def record(self) -> dict:
-        """The settings as a manifest records them (no side_layers when none,
-        as before they existed)."""
+        """The settings as a manifest records them (no side_layers or start when
+        none, as before they existed)."""
         out = asdict(self)
         out["side_layers"] = list(self.side_layers)
-        if not self.side_layers:
-            del out["side_layers"]
+        for name in ("side_layers", "start"):
+            if not out[name]:
+                del out[name]
         return out
 
     @property
@@ -185,6 +194,17 @@ def prompt_source(model, tokenizer, settings: Settings, data: list[str]):
             )
 
         return sampled, inputs_digest(tokenizer)
+    if s.kind == "sampled":
+        if data:
+            raise ClpError("--kind sampled takes no --data: its openings are sampled after --start")
+
+        def drawn(indices):
+            return sampled_prompts(
+                model, tokenizer, indices, start=s.start, cap=s.prompt_tokens, batch=s.batch,
+                seed=s.seed,
+            )  # fmt: skip
+
+        return drawn, sampled_digest(tokenizer, s.start)
     prompts, digest = text_prompts(
         tokenizer, s.kind, data, count=s.prompts, length=s.prompt_tokens, seed=s.seed
     )
@@ -264,7 +284,7 @@ def _whole(out: Path, j: int) -> bool:
 def _make_shard(model, out: Path, j: int, prompts_of, s: Settings, tick) -> None:
     store.clear(out, j)
     prompts = prompts_of(s.indices(j))
-    tick((len(s.indices(j)) - len(prompts)) * s.new_tokens)  # magpie indices given up
+    tick((len(s.indices(j)) - len(prompts)) * s.new_tokens)  # indices whose every draw failed
     rows = continue_rows(model, prompts, s.new_tokens, s.batch, tick, s.side_layers)
     held = [is_heldout(r.tokens[: r.prompt_len], s.heldout) for r in rows]
     parts = {

@@ -80,8 +80,8 @@ def stop_ids(tokenizer) -> set[int]:
     return ids | {i for i, t in added.items() if getattr(t, "special", False)}
 
 
-def question_key(seed: int, index: int, attempt: int) -> mx.array:
-    digest = hashlib.sha256(f"magpie {seed} {index} {attempt}".encode()).digest()
+def question_key(seed: int, index: int, attempt: int, salt: str = "magpie") -> mx.array:
+    digest = hashlib.sha256(f"{salt} {seed} {index} {attempt}".encode()).digest()
     return mx.random.key(int.from_bytes(digest[:8], "little") >> 1)
 
 
@@ -124,29 +124,40 @@ def sample_questions(model, prefix: list[int], keys: list[mx.array], cap: int, s
     return out
 
 
+def draw_prompts(model, indices, prefix, stops, *, cap, batch, seed, salt, norm) -> dict:
+    """{index: norm(ids)}: one sampled continuation of ``prefix`` per prompt index,
+    drawn again with the next attempt's key when ``norm`` makes it empty or equal
+    to one an earlier index kept; an index whose every attempt failed has none."""
+    chosen: dict = {}
+    seen: set = set()
+    pending = [(i, 0) for i in indices]
+    while pending:
+        drawn = []
+        for b in range(0, len(pending), batch):
+            part = pending[b : b + batch]
+            keys = [question_key(seed, i, a, salt) for i, a in part]
+            drawn.extend(zip(part, sample_questions(model, prefix, keys, cap, stops)))
+        pending = []
+        for (i, attempt), ids in drawn:  # index order: the first of equal draws keeps it
+            value = norm(ids)
+            if value and value not in seen:
+                chosen[i] = value
+                seen.add(value)
+            elif attempt + 1 < ATTEMPTS:
+                pending.append((i, attempt + 1))
+    return chosen
+
+
 def magpie_prompts(
     model, tokenizer, indices, *, cap: int, batch: int, seed: int
 ) -> list[tuple[int, np.ndarray]]:
     """(index, chat prompt) for the prompt ``indices`` of one shard, in order;
     an index whose every attempt was empty or a repeat has none."""
     prefix, stops = user_prefix(tokenizer), stop_ids(tokenizer)
-    chosen: dict[int, str] = {}
-    seen: set[str] = set()
-    pending = [(i, 0) for i in indices]
-    while pending:
-        drawn = []
-        for b in range(0, len(pending), batch):
-            part = pending[b : b + batch]
-            keys = [question_key(seed, i, a) for i, a in part]
-            drawn.extend(zip(part, sample_questions(model, prefix, keys, cap, stops)))
-        pending = []
-        for (i, attempt), ids in drawn:  # index order: the first of equal questions keeps it
-            text = tokenizer.decode(ids).strip()
-            if text and text not in seen:
-                chosen[i] = text
-                seen.add(text)
-            elif attempt + 1 < ATTEMPTS:
-                pending.append((i, attempt + 1))
+    chosen = draw_prompts(
+        model, indices, prefix, stops, cap=cap, batch=batch, seed=seed, salt="magpie",
+        norm=lambda ids: tokenizer.decode(ids).strip(),
+    )  # fmt: skip
     return [(i, chat_prompt(tokenizer, chosen[i])) for i in sorted(chosen)]
 
 
