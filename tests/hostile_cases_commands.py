@@ -34,6 +34,8 @@ DISTILL_FLAGS = [
     ("heldout-nan", "--heldout nan"), ("batch-0", "--batch 0"),
     ("shard-size-0", "--shard-size 0"), ("new-tokens-0", "--new-tokens 0"),
     ("prompt-tokens-0", "--prompt-tokens 0"), ("data-missing", "--data /nonexistent-hostile"),
+    ("start-with-wikitext", "--start x"), ("sampled-without-start", "--kind sampled"),
+    ("sampled-with-data", "--kind sampled --start x"),
 ]
 TRAIN_MTP_FLAGS = [
     ("soft-2", "--soft 2"), ("soft-nan", "--soft nan"), ("lookup-negative", "--lookup -1"),
