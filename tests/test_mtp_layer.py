@@ -66,3 +66,28 @@ def test_a_fresh_layer_drafts_what_the_backbone_chose():
     h = model.model(tokens)  # final-norm hidden states
     (g,) = layer.unrolled(h, lambda j: model.model.embed_tokens(tokens), 1, model.model.norm)
     np.testing.assert_allclose(model.model.norm(g), h, rtol=1e-3, atol=1e-3)
+
+
+def test_a_widened_layer_computes_what_the_narrow_one_did(setup):
+    """--init-from a narrower MLP (train/mtp_start.widened): the new units add
+    nothing at the start, and their gate and up rows are not zero (they learn)."""
+    from mlx.utils import tree_flatten, tree_map
+
+    from clp_mlx.train.mtp_start import widened
+
+    _, h, tokens, embed, norm = setup
+    model = tiny_model(0)
+    mx.random.seed(4)
+    narrow = MTPLayer(model.args, mlp_size=48)
+    for side in (narrow.block.mlp.down_proj, narrow.block.self_attn.o_proj):  # not zero, so
+        side.weight = mx.random.normal(side.weight.shape) * 0.1  # the MLP's output counts
+    wide = MTPLayer(model.args, mlp_size=80)
+    wide.update(widened(tree_map(lambda a: a, narrow.parameters()), wide))
+    assert dict(tree_flatten(wide.parameters()))["block.mlp.gate_proj.weight"].shape == (80, 64)
+    assert mx.abs(wide.block.mlp.up_proj.weight[48:]).max().item() > 0
+    outs = lambda layer, depths: layer.unrolled(h, lambda j: embed(tokens[:, j : j + LENGTH]),
+                                                depths, norm)  # fmt: skip
+    for a, b in zip(outs(narrow, DEPTHS), outs(wide, DEPTHS)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    wide.block.mlp.down_proj.weight[:, 48:] = 1.0  # the check can fail: the new units do count
+    assert not np.allclose(outs(narrow, 1)[0], outs(wide, 1)[0])

@@ -187,8 +187,14 @@ def test_init_from_starts_at_a_drafters_layer(root):
     assert ours.keys() == theirs.keys()
     for key, value in theirs.items():
         np.testing.assert_allclose(ours[key], value, rtol=1e-3, atol=1e-3)
-    with pytest.raises(ClpError, match="another shape"):
+    with pytest.raises(ClpError, match="another shape"):  # narrower: not
         main([*train_argv(root, "x", "--init-from", drafter), "--mlp-size", "16"])
+    args = setup_arg_parser().parse_args([*train_argv(root, "wide", "--init-from", drafter)])
+    wide = _trainer(args, mtp_trainer.MTPTrainConfig(depths=2, mlp_size=48, init_from=drafter,
+                                                     draft_vocab=64))  # fmt: skip
+    down = np.array(wide.layer.block.mlp.down_proj.weight)
+    np.testing.assert_allclose(down[:, :32], theirs["block.mlp.down_proj.weight"], atol=1e-3)
+    assert down.shape[1] == 48 and (down[:, 32:] == 0).all()  # wider: the same function
     with pytest.raises(ClpError, match="does not exist"):
         main(train_argv(root, "x", "--init-from", str(root / "nowhere")))
 

@@ -37,7 +37,8 @@ HELP = {
     "seed": "row order and initial weights",
     "soft": "weight of the backbone's whole distribution as the target (1 - soft: its token)",
     "init_from": "a drafter folder (an MTP layer of these flags' shape, for this backbone) "
-    "to start from, e.g. to go on training it on more data",
+    "to start from, e.g. to go on training it on more data; a wider --mlp-size than its "
+    "layer's widens it (the new units' outputs start at zero: the same drafts at step 0)",
     "keep_vocab": "with --init-from: keep its draft vocabulary (else --data chooses one), "
     "e.g. to tune it on one kind of text without losing the tokens of the others",
     "group_by_length": "draw each step's rows from one group of rows of about one length: "

@@ -38,12 +38,39 @@ def start_from(layer, model, folder: Path):
     if bundle.mtp.side_layers and bundle.mtp.side_layers != layer.side_layers:
         raise ClpError(f"--init-from {folder}: its layer reads the states after layers "
                        f"{list(bundle.mtp.side_layers)}: give --side and data keeping those")  # fmt: skip
-    loose = {"side_layers": 0, "pointer": 0, "pointer_outside": 0}  # a copy head may be added
-    if {**bundle.mtp.shape(), **loose} != {**layer.shape(), **loose}:
-        width = bundle.mtp.block.args.intermediate_size
+    # a copy head may be added, and the MLP widened
+    loose = {"side_layers": 0, "pointer": 0, "pointer_outside": 0, "intermediate_size": 0}
+    width = bundle.mtp.block.args.intermediate_size
+    if {**bundle.mtp.shape(), **loose} != {**layer.shape(), **loose} or (
+        width > layer.block.args.intermediate_size
+    ):
         raise ClpError(f"--init-from {folder}: its layer has another shape (--mlp-size {width}?)")
     rank = bundle.mtp.shape().get("pointer", 0)
     if rank and rank != layer.shape().get("pointer", 0):
         raise ClpError(f"--init-from {folder}: its layer has a copy head: give --pointer {rank}")
-    layer.update(tree_map(lambda a: a.astype(mx.float32), bundle.mtp.parameters()))
+    params = tree_map(lambda a: a.astype(mx.float32), bundle.mtp.parameters())
+    layer.update(widened(params, layer))
     return bundle.draft_vocab.tolist() if "draft_vocab" in bundle else None
+
+
+def widened(params: dict, layer) -> dict:
+    """``params`` of a layer whose MLP is narrower than ``layer``'s, made
+    ``layer``'s width without changing what the layer computes: the new units'
+    gate and up rows are ``layer``'s own (random) ones, their down-projection
+    columns zero, so they add nothing until training moves them (the widening
+    of Net2Net, Chen et al. 2016, arXiv 1511.05641, with zero outputs). The
+    same ``params`` where the widths are equal."""
+    import mlx.core as mx
+
+    mlp, fresh = params["block"]["mlp"], layer.block.mlp
+    have, want = mlp["down_proj"]["weight"].shape[1], fresh.down_proj.weight.shape[1]
+    if have == want:
+        return params
+    down = mlp["down_proj"]["weight"]
+    mlp["down_proj"]["weight"] = mx.concatenate(
+        [down, mx.zeros((down.shape[0], want - have), dtype=down.dtype)], axis=1
+    )
+    for name in ("gate_proj", "up_proj"):
+        rows = getattr(fresh, name).weight[have:].astype(mlp[name]["weight"].dtype)
+        mlp[name]["weight"] = mx.concatenate([mlp[name]["weight"], rows], axis=0)
+    return params
