@@ -100,10 +100,7 @@ def read_json(path: Path, what: str = "file") -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ClpError(f"cannot read {path}: {e.strerror or e}") from None
-    except (
-        ValueError,
-        RecursionError,
-    ) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ClpError(f"{path} is not a valid JSON {what}: {str(e)[:200]}") from None
 
 
