@@ -18,6 +18,7 @@ from pathlib import Path
 from ..errors import ClpError
 from ..model.backbone import DTYPES
 from ..model.checks import seed
+from ..train.selfdistill import KINDS
 from .args import parser, run
 
 
@@ -31,7 +32,7 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU")
     p.add_argument("--out", required=True, help="the data folder (made, or resumed)")
-    p.add_argument("--kind", choices=("wikitext", "code", "magpie", "sampled"), required=True)
+    p.add_argument("--kind", choices=KINDS, required=True)
     p.add_argument(
         "--data",
         nargs="+",
